@@ -1,0 +1,61 @@
+"""Checks a config and workdir before any data is read or any code is compiled."""
+
+import os
+import tempfile
+
+import ml_collections
+
+import models
+import optimizers
+
+
+class ConfigError(ValueError):
+  """A config value or workdir that cannot work; the message names the value and the fix."""
+
+
+def _require(condition: bool, message: str) -> None:
+  if not condition:
+    raise ConfigError(message)
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+  """Checks every value that can be judged without the data."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (slow import)
+  known = tfds.list_builders(with_community_datasets=False)
+  _require(config.dataset.split('/')[0].split(':')[0] in known,
+           f'Unknown dataset {config.dataset!r}: config.dataset must be a TFDS dataset name such '
+           "as 'mnist', 'fashion_mnist', 'kmnist' or 'cifar10' (see tfds.list_builders()).")
+  for key, valid in (('model', models.MODELS), ('optimizer', optimizers.OPTIMIZERS),
+                     ('schedule', optimizers.SCHEDULES)):
+    _require(config[key] in valid,
+             f'Unknown {key} {config[key]!r}: config.{key} must be one of {sorted(valid)}.')
+  for key in ('batch_size', 'eval_batch_size', 'num_epochs', 'steps_per_dispatch',
+              'log_every_steps', 'shuffle_buffer_size'):
+    _require(isinstance(config[key], int) and config[key] >= 1,
+             f'config.{key}={config[key]!r} is invalid: it must be an integer >= 1.')
+  _require(config.learning_rate > 0,
+           f'config.learning_rate={config.learning_rate!r} is invalid: it must be > 0.')
+  _require(0 <= config.momentum < 1,
+           f'config.momentum={config.momentum!r} is invalid: it must be in [0, 1).')
+  _require(0 <= config.warmup_epochs <= config.num_epochs,
+           f'config.warmup_epochs={config.warmup_epochs!r} is invalid: it must be in '
+           f'[0, num_epochs={config.num_epochs}].')
+
+
+def check_workdir(workdir: str) -> None:
+  """Creates `workdir` if needed and checks that files can be written in it."""
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    with tempfile.TemporaryFile(dir=workdir):
+      pass
+  except OSError as error:
+    raise ConfigError(f'Workdir {workdir!r} is not writable ({error.strerror}): pass a '
+                      '--workdir you can write to.') from error
+
+
+def check_against_data(config: ml_collections.ConfigDict, num_train_examples: int) -> None:
+  """Checks the values that depend on the size of the training split."""
+  _require(config.batch_size <= num_train_examples,
+           f'config.batch_size={config.batch_size} is larger than the {num_train_examples} '
+           f'examples of split {config.train_split!r}: use a batch size in '
+           f'[1, {num_train_examples}].')

@@ -1,0 +1,30 @@
+"""Default config: the reference CNN on MNIST, SGD with momentum, 10 epochs."""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  # Data.
+  config.dataset = 'mnist'  # TFDS name of an image-classification dataset ('image' + 'label').
+  config.data_dir = None  # TFDS data dir; None = TFDS's default, which honours $TFDS_DATA_DIR.
+  config.train_split = 'train'  # TFDS split to train on (split slicing such as 'train[:90%]' works).
+  config.eval_split = 'test'  # TFDS split evaluated in full after every epoch.
+  config.shuffle_buffer_size = 60_000  # Examples in the shuffle buffer; >= split size = perfect shuffle.
+  config.steps_per_dispatch = 1  # Train steps run per jit call (a lax.scan over stacked batches).
+  # Model.
+  config.model = 'cnn'  # 'cnn' (reference CNN) or 'mlp' (784-512-512-10 perceptron).
+  # Optimisation.
+  config.optimizer = 'sgd'  # 'sgd' (with momentum), 'adam' or 'adamw'.
+  config.learning_rate = 0.1  # Peak learning rate.
+  config.momentum = 0.9  # SGD momentum (0 = plain SGD); ignored by adam/adamw.
+  config.weight_decay = 1e-4  # Decoupled weight decay, used by adamw only.
+  config.schedule = 'constant'  # 'constant', 'cosine' or 'warmup_cosine' (decays to 0 at the end).
+  config.warmup_epochs = 0.0  # Linear warm-up length for 'warmup_cosine', in epochs.
+  config.batch_size = 128  # Training examples per step.
+  config.eval_batch_size = 1000  # Examples per eval step; the last batch is padded and masked.
+  config.num_epochs = 10  # Passes over the training split.
+  config.seed = 0  # Seeds parameter init, dropout and the per-epoch shuffle order.
+  # Logging.
+  config.log_every_steps = 100  # Train metrics are written every this many steps.
+  return config

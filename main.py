@@ -1,0 +1,39 @@
+"""Trains an NNX classifier: `python main.py --config=configs/default.py --workdir=runs/mnist`.
+
+Override any config value with `--config.<key>=<value>`, e.g. `--config.learning_rate=0.05`.
+"""
+
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+from ml_collections import config_flags
+import tensorflow as tf
+
+import config_checks
+import train
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string('workdir', None, 'Directory for TensorBoard summaries and checkpoints.')
+config_flags.DEFINE_config_file('config', None, 'Path to a config file with get_config().',
+                                lock_config=True)
+flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  # TensorFlow only feeds data; keep it off the GPUs so JAX gets all their memory.
+  tf.config.set_visible_devices([], 'GPU')
+  logging.info('JAX process %d of %d, local devices: %s', jax.process_index(),
+               jax.process_count(), jax.local_devices())
+  try:
+    train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+  except config_checks.ConfigError as error:
+    sys.exit(f'Config error: {error}')
+
+
+if __name__ == '__main__':
+  app.run(main)

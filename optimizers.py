@@ -1,0 +1,50 @@
+"""Optax optimizers and learning-rate schedules, chosen by name in the config."""
+
+from collections.abc import Callable
+
+import ml_collections
+import optax
+
+
+def _constant(config: ml_collections.ConfigDict, num_steps: int, warmup_steps: int):
+  del num_steps, warmup_steps  # A constant rate needs neither.
+  return optax.constant_schedule(config.learning_rate)
+
+
+def _cosine(config: ml_collections.ConfigDict, num_steps: int, warmup_steps: int):
+  del warmup_steps
+  return optax.cosine_decay_schedule(config.learning_rate, decay_steps=num_steps)
+
+
+def _warmup_cosine(config: ml_collections.ConfigDict, num_steps: int, warmup_steps: int):
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=config.learning_rate, warmup_steps=warmup_steps,
+      decay_steps=num_steps, end_value=0.0)
+
+
+SCHEDULES: dict[str, Callable[..., optax.Schedule]] = {
+    'constant': _constant,
+    'cosine': _cosine,
+    'warmup_cosine': _warmup_cosine,
+}
+
+OPTIMIZERS: dict[str, Callable[[optax.Schedule, ml_collections.ConfigDict],
+                               optax.GradientTransformation]] = {
+    'sgd': lambda lr, config: optax.sgd(lr, momentum=config.momentum or None),
+    'adam': lambda lr, config: optax.adam(lr),
+    'adamw': lambda lr, config: optax.adamw(lr, weight_decay=config.weight_decay),
+}
+
+
+def create_learning_rate_schedule(config: ml_collections.ConfigDict,
+                                  steps_per_epoch: int) -> optax.Schedule:
+  """The schedule named by `config.schedule`, spanning the whole run."""
+  return SCHEDULES[config.schedule](
+      config, num_steps=config.num_epochs * steps_per_epoch,
+      warmup_steps=int(config.warmup_epochs * steps_per_epoch))
+
+
+def create_optimizer(config: ml_collections.ConfigDict,
+                     schedule: optax.Schedule) -> optax.GradientTransformation:
+  """The optimizer named by `config.optimizer`, driven by `schedule`."""
+  return OPTIMIZERS[config.optimizer](schedule, config)
