@@ -7,7 +7,9 @@ def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   # Data.
   config.dataset = 'mnist'  # TFDS name of an image-classification dataset ('image' + 'label').
-  config.data_dir = None  # TFDS data dir; None = TFDS's default, which honours $TFDS_DATA_DIR.
+  # TFDS data dir; None = TFDS's default, which honours $TFDS_DATA_DIR. A typed placeholder so
+  # that --config.data_dir=/path can override it.
+  config.data_dir = ml_collections.config_dict.placeholder(str)
   config.train_split = 'train'  # TFDS split to train on (split slicing such as 'train[:90%]' works).
   config.eval_split = 'test'  # TFDS split evaluated in full after every epoch.
   config.shuffle_buffer_size = 60_000  # Examples in the shuffle buffer; >= split size = perfect shuffle.

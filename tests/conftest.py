@@ -1,0 +1,30 @@
+"""Shared fixtures: real MNIST through TFDS, prepared offline when ../shared has the files."""
+
+import os
+import pathlib
+import shutil
+
+import pytest
+
+SHARED_MNIST = pathlib.Path(__file__).resolve().parents[2] / 'shared' / 'datasets' / 'mnist'
+
+
+@pytest.fixture(scope='session')
+def tfds_data_dir(tmp_path_factory) -> str:
+  """A TFDS data dir holding prepared MNIST.
+
+  $TFDS_DATA_DIR if set (as `.ci/run` does); otherwise a temporary dir seeded with the original
+  files from ../shared/datasets/mnist (copied, never written in place); otherwise TFDS's default
+  dir, where TFDS downloads MNIST.
+  """
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  data_dir = os.environ.get('TFDS_DATA_DIR')
+  if not data_dir and SHARED_MNIST.is_dir():
+    data_dir = str(tmp_path_factory.mktemp('tfds'))
+    manual_dir = pathlib.Path(data_dir, 'downloads', 'manual')
+    manual_dir.mkdir(parents=True)
+    for path in SHARED_MNIST.glob('*.gz'):
+      shutil.copy(path, manual_dir)
+  builder = tfds.builder('mnist', data_dir=data_dir)
+  builder.download_and_prepare()
+  return str(builder.data_dir_root)

@@ -1,0 +1,106 @@
+"""Input pipeline: batch layout, value range, shuffle order, full eval coverage, data errors."""
+
+import os
+
+import ml_collections
+import numpy as np
+import pytest
+
+import input_pipeline
+from configs import default
+
+
+def _split(num_examples, image_shape=(6, 5, 1), seed=0):
+  rng = np.random.default_rng(seed)
+  images = rng.integers(0, 256, (num_examples, *image_shape), dtype=np.uint8)
+  # Labels double as example ids so tests can tell which examples were seen.
+  return input_pipeline.Split(images=images, labels=np.arange(num_examples, dtype=np.int32))
+
+
+def _config(**overrides):
+  config = default.get_config()
+  config.update(dict(batch_size=8, num_epochs=2, shuffle_buffer_size=100, steps_per_dispatch=1))
+  config.update(overrides)
+  return config
+
+
+def _epoch_orders(split, config):
+  """Example ids per epoch, in the order the pipeline yields them."""
+  ids = np.concatenate([chunk['label'].reshape(-1)
+                        for chunk in input_pipeline.train_batches(split, config)])
+  return ids.reshape(config.num_epochs, -1)
+
+
+def test_train_batch_layout_and_values():
+  split = _split(100)
+  chunks = list(input_pipeline.train_batches(split, _config(steps_per_dispatch=3)))
+  # 100 // 8 = 12 batches per epoch: chunks of 3 steps, 4 chunks per epoch, 2 epochs.
+  assert len(chunks) == 8
+  for chunk in chunks:
+    assert chunk['image'].shape == (3, 8, 6, 5, 1)
+    assert chunk['image'].dtype == np.float32
+    assert chunk['label'].shape == (3, 8)
+    assert chunk['label'].dtype == np.int32
+    assert 0.0 <= chunk['image'].min() and chunk['image'].max() <= 1.0
+    # Each image is its uint8 source scaled to [0, 1].
+    np.testing.assert_allclose(chunk['image'] * 255.0, split.images[chunk['label']], atol=1e-4)
+
+
+def test_uneven_chunks_keep_remaining_steps():
+  chunks = list(input_pipeline.train_batches(_split(100), _config(steps_per_dispatch=5,
+                                                                  num_epochs=1)))
+  assert [len(chunk['label']) for chunk in chunks] == [5, 5, 2]
+
+
+def test_same_seed_same_order_other_seed_other_order():
+  split = _split(100)
+  first = _epoch_orders(split, _config(seed=0))
+  again = _epoch_orders(split, _config(seed=0))
+  other = _epoch_orders(split, _config(seed=1))
+  np.testing.assert_array_equal(first, again)
+  assert not np.array_equal(first, other)
+  # Reshuffled every epoch, and each epoch sees distinct examples.
+  assert not np.array_equal(first[0], first[1])
+  assert all(len(set(epoch)) == len(epoch) for epoch in first)
+
+
+def test_start_epoch_continues_the_same_order():
+  split = _split(100)
+  full = _epoch_orders(split, _config(num_epochs=3))
+  resumed = np.concatenate([chunk['label'].reshape(-1) for chunk in
+                            input_pipeline.train_batches(split, _config(num_epochs=3), 1)])
+  np.testing.assert_array_equal(resumed, full[1:].reshape(-1))
+
+
+def test_eval_counts_every_example_exactly_once():
+  split = _split(1003)
+  batches = input_pipeline.eval_batches(split, batch_size=100)
+  assert len(batches) == 11
+  assert all(batch['image'].shape == (100, 6, 5, 1) for batch in batches)
+  real = np.concatenate([batch['label'][batch['mask']] for batch in batches])
+  np.testing.assert_array_equal(np.sort(real), np.arange(1003))
+  assert sum(int(batch['mask'].sum()) for batch in batches) == 1003
+  assert not batches[-1]['mask'][3:].any() and batches[-1]['mask'][:3].all()
+
+
+def test_real_mnist_info_and_splits(tfds_data_dir):
+  config = _config(data_dir=tfds_data_dir)
+  builder = input_pipeline.prepared_builder(config)
+  info = input_pipeline.get_info(builder, config)
+  assert info == input_pipeline.DatasetInfo(name='mnist', image_shape=(28, 28, 1),
+                                            num_classes=10, num_train_examples=60_000,
+                                            num_eval_examples=10_000)
+  test = input_pipeline.load_split(builder, 'test')
+  assert test.images.shape == (10_000, 28, 28, 1) and test.images.dtype == np.uint8
+  assert sorted(np.unique(test.labels)) == list(range(10))
+
+
+def test_unprepared_offline_dataset_names_the_manual_dir(tmp_path, monkeypatch):
+  # Simulate a machine without internet, whatever this one has.
+  monkeypatch.setattr(input_pipeline, '_reachable', lambda host: False)
+  with pytest.raises(RuntimeError) as error:
+    input_pipeline.prepared_builder(_config(data_dir=str(tmp_path)))
+  message = str(error.value)
+  assert os.path.join(str(tmp_path), 'downloads', 'manual') in message
+  for name in ('train-images-idx3-ubyte.gz', 't10k-labels-idx1-ubyte.gz'):
+    assert name in message
