@@ -61,3 +61,15 @@ def test_cnn_eval_mode_is_deterministic_and_freezes_batch_stats():
 def test_unknown_model_lists_valid_names():
   with pytest.raises(ValueError, match=r"Unknown model 'resnet'.*\['cnn', 'mlp'\]"):
     _create('resnet')
+
+
+def test_dropout_drops_its_rate_and_keeps_the_mean():
+  dropout = models.Dropout(rate=0.025, rngs=nnx.Rngs(0))
+  ones = jnp.ones((1001, 999))  # An odd size: the mask is cut from pairs of 16-bit draws.
+  first, second = dropout(ones), dropout(ones)
+  assert float((first == 0).mean()) == pytest.approx(0.025, abs=1e-3)
+  assert float(first.mean()) == pytest.approx(1.0, abs=2e-3)
+  np.testing.assert_allclose(np.unique(first), [0.0, 1 / 0.975], rtol=1e-6)
+  assert not jnp.array_equal(first, second)
+  dropout.eval()
+  assert jnp.array_equal(dropout(ones), ones)
