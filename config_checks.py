@@ -33,6 +33,10 @@ def check_config(config: ml_collections.ConfigDict) -> None:
               'log_every_steps', 'shuffle_buffer_size'):
     _require(isinstance(config[key], int) and config[key] >= 1,
              f'config.{key}={config[key]!r} is invalid: it must be an integer >= 1.')
+  num_images = config.num_misclassified_images
+  _require(isinstance(num_images, int) and num_images >= 0,
+           f'config.num_misclassified_images={num_images!r} is invalid: it must be an '
+           'integer >= 0 (0 = no eval images).')
   _require(config.learning_rate > 0,
            f'config.learning_rate={config.learning_rate!r} is invalid: it must be > 0.')
   _require(0 <= config.momentum < 1,

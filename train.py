@@ -17,6 +17,7 @@ import config_checks
 import input_pipeline
 import models
 import optimizers
+import summaries
 
 
 @flax.struct.dataclass
@@ -107,7 +108,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   optimizer = nnx.Optimizer(model, optimizers.create_optimizer(config, schedule), wrt=nnx.Param)
 
   writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
-  writer.write_hparams(config.to_dict())
+  summaries.write_config(writer, workdir, config)
   report_progress = periodic_actions.ReportProgress(
       num_train_steps=num_steps, writer=writer, every_steps=config.log_every_steps)
 
@@ -136,6 +137,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       with report_progress.timed('eval'):
         eval_metrics = evaluate(model, eval_batches)
       writer.write_scalars(step, eval_metrics)
+      summaries.write_eval_images(writer, step, model, eval_batches, info.num_classes,
+                                  config.num_misclassified_images)
       final_metrics = {**summarize(epoch_metrics, 'train'), **eval_metrics}
       logging.info(
           'epoch %d/%d: train_loss=%.4f train_accuracy=%.4f eval_loss=%.4f eval_accuracy=%.4f '

@@ -24,6 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ('learning_rate', 0.0, r'config.learning_rate=0.0 is invalid: it must be > 0'),
     ('learning_rate', -0.1, r'config.learning_rate=-0.1 is invalid'),
     ('eval_batch_size', 0, r'config.eval_batch_size=0 is invalid'),
+    ('num_misclassified_images', -1, r'config.num_misclassified_images=-1 is invalid: it must '
+     r'be an integer >= 0'),
 ])
 def test_bad_values_fail_before_data_is_read(tmp_path, key, value, message):
   config = default.get_config()
