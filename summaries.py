@@ -9,7 +9,6 @@ import math
 
 from clu import metric_writers
 from clu import parameter_overview
-from flax import nnx
 import jax
 import ml_collections
 import numpy as np
@@ -45,32 +44,17 @@ def write_config(writer: metric_writers.MetricWriter, workdir: str,
   writer.write_texts(0, {'config': '    ' + str(config).replace('\n', '\n    ')})
 
 
-@nnx.jit
-def _predict_step(model: nnx.Module, images: jax.Array) -> jax.Array:
-  return model(images).argmax(-1)
-
-
-def predict(model: nnx.Module, batches: list[input_pipeline.Batch]) -> np.ndarray:
-  """Predicted classes of the real (mask 1) examples of `batches`, in order, in eval mode."""
-  model.eval()
-  predictions = [_predict_step(model, batch['image']) for batch in batches]
-  model.train()
-  return np.concatenate([np.asarray(predicted)[batch['mask']]
-                         for predicted, batch in zip(predictions, batches)])
-
-
-def write_eval_images(writer: metric_writers.MetricWriter, step: int, model: nnx.Module,
+def write_eval_images(writer: metric_writers.MetricWriter, step: int, predictions: np.ndarray,
                       batches: list[input_pipeline.Batch], num_classes: int,
                       num_misclassified: int) -> None:
   """Writes a confusion matrix and a grid of the first `num_misclassified` eval errors.
 
-  Costs one extra forward pass over the eval batches; `num_misclassified=0` skips it all.
+  `predictions` are those of `train.evaluate` for the real examples of `batches`, in order.
   """
   if num_misclassified == 0:
     return
   images = np.concatenate([batch['image'][batch['mask']] for batch in batches])
   labels = np.concatenate([batch['label'][batch['mask']] for batch in batches])
-  predictions = predict(model, batches)
   wrong = np.flatnonzero(predictions != labels)[:num_misclassified]
   pictures = {'eval_confusion_matrix': confusion_matrix_image(
       confusion_matrix(labels, predictions, num_classes))}

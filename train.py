@@ -11,6 +11,7 @@ import flax
 from flax import nnx
 import jax
 import ml_collections
+import numpy as np
 import optax
 
 import config_checks
@@ -60,19 +61,29 @@ def train_steps(model: nnx.Module, optimizer: nnx.Optimizer, metrics: Metrics,
 
 
 @nnx.jit
-def eval_step(model: nnx.Module, metrics: Metrics, batch: input_pipeline.Batch) -> Metrics:
-  """Adds one padded batch to `metrics`; examples with mask 0 do not count."""
-  return metrics.merge(compute_metrics(model(batch['image']), batch['label'], batch['mask']))
+def eval_step(model: nnx.Module, metrics: Metrics,
+              batch: input_pipeline.Batch) -> tuple[Metrics, jax.Array]:
+  """Adds one padded batch to `metrics` (mask-0 examples do not count); returns predictions."""
+  logits = model(batch['image'])
+  return (metrics.merge(compute_metrics(logits, batch['label'], batch['mask'])),
+          logits.argmax(axis=-1))
 
 
-def evaluate(model: nnx.Module, batches: list[input_pipeline.Batch]) -> dict[str, float]:
-  """Scores `model` in eval mode (running BatchNorm averages, no dropout) on every batch."""
+def evaluate(model: nnx.Module,
+             batches: list[input_pipeline.Batch]) -> tuple[dict[str, float], np.ndarray]:
+  """Scores `model` in eval mode (running BatchNorm averages, no dropout) on every batch.
+
+  Returns the eval metrics and the predicted class of every real (mask 1) example, in order.
+  """
   model.eval()
   metrics = Metrics.empty()
+  predictions = []
   for batch in batches:
-    metrics = eval_step(model, metrics, batch)
+    metrics, predicted = eval_step(model, metrics, batch)
+    predictions.append(predicted)
   model.train()
-  return summarize(metrics, 'eval')
+  return summarize(metrics, 'eval'), np.concatenate(
+      [np.asarray(predicted)[batch['mask']] for predicted, batch in zip(predictions, batches)])
 
 
 def summarize(metrics: Metrics, prefix: str) -> dict[str, float]:
@@ -135,9 +146,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
     if end_of_epoch:
       with report_progress.timed('eval'):
-        eval_metrics = evaluate(model, eval_batches)
+        eval_metrics, predictions = evaluate(model, eval_batches)
       writer.write_scalars(step, eval_metrics)
-      summaries.write_eval_images(writer, step, model, eval_batches, info.num_classes,
+      summaries.write_eval_images(writer, step, predictions, eval_batches, info.num_classes,
                                   config.num_misclassified_images)
       final_metrics = {**summarize(epoch_metrics, 'train'), **eval_metrics}
       logging.info(

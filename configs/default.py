@@ -30,6 +30,6 @@ def get_config() -> ml_collections.ConfigDict:
   # Logging.
   config.log_every_steps = 100  # Train metrics are written every this many steps.
   # Misclassified eval examples drawn in a TensorBoard grid (with a confusion matrix) at each
-  # eval; 0 = no images, which also saves their extra forward pass over the eval split.
+  # eval; 0 = no images.
   config.num_misclassified_images = 36
   return config

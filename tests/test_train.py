@@ -68,8 +68,10 @@ def test_masked_padded_eval_equals_eval_of_real_examples_only():
   rng = np.random.default_rng(0)
   split = input_pipeline.Split(images=rng.integers(0, 256, (250, 28, 28, 1), dtype=np.uint8),
                                labels=rng.integers(0, 10, 250).astype(np.int32))
-  padded = train.evaluate(model, input_pipeline.eval_batches(split, batch_size=100))
-  exact = train.evaluate(model, input_pipeline.eval_batches(split, batch_size=250))
+  padded, padded_predictions = train.evaluate(model, input_pipeline.eval_batches(split, 100))
+  exact, exact_predictions = train.evaluate(model, input_pipeline.eval_batches(split, 250))
+  np.testing.assert_array_equal(padded_predictions, exact_predictions)
+  assert padded_predictions.shape == (250,)
   assert padded['eval_num_examples'] == exact['eval_num_examples'] == 250
   assert padded['eval_loss'] == pytest.approx(exact['eval_loss'], rel=1e-5)
   assert padded['eval_accuracy'] == pytest.approx(exact['eval_accuracy'])
