@@ -35,7 +35,7 @@ def main(argv):
   try:
     parallel.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   except ValueError as error:
-    raise app.UsageError(str(error)) from error
+    sys.exit(f'Flag error: {error}')
   # TensorFlow only feeds data; keep it off the GPUs so JAX gets all their memory.
   tf.config.set_visible_devices([], 'GPU')
   logging.info('JAX process %d of %d, local devices: %s', jax.process_index(),

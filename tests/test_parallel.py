@@ -99,6 +99,17 @@ def test_batch_size_must_divide_by_the_device_count():
   config_checks.check_against_devices(config, num_devices=2)
 
 
+def test_bad_process_flags_exit_with_the_fix(tmp_path):
+  result = subprocess.run(
+      [sys.executable, 'main.py', '--config=configs/default.py', f'--workdir={tmp_path}',
+       '--coordinator_address=127.0.0.1:1', '--num_processes=2', '--process_id=2'],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert result.returncode != 0
+  assert 'Flag error: --coordinator_address=127.0.0.1:1 --num_processes=2 --process_id=2' in (
+      result.stderr)
+  assert 'a distinct --process_id in [0, num_processes)' in result.stderr
+
+
 def test_eval_batches_pad_to_the_requested_number_of_batches():
   split = input_pipeline.Split(images=np.ones((7, 2, 2, 1), np.uint8),
                                labels=np.arange(7, dtype=np.int32))
