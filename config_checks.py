@@ -63,3 +63,11 @@ def check_against_data(config: ml_collections.ConfigDict, num_train_examples: in
            f'config.batch_size={config.batch_size} is larger than the {num_train_examples} '
            f'examples of split {config.train_split!r}: use a batch size in '
            f'[1, {num_train_examples}].')
+
+
+def check_against_devices(config: ml_collections.ConfigDict, num_devices: int) -> None:
+  """Checks that every device gets an equal share of each training batch."""
+  _require(config.batch_size % num_devices == 0,
+           f'config.batch_size={config.batch_size} does not divide by the {num_devices} devices '
+           f'(jax.device_count()): use a multiple of {num_devices}, such as '
+           f'{-(-config.batch_size // num_devices) * num_devices}.')

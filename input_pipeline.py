@@ -143,14 +143,17 @@ def train_batches(split: Split, config: ml_collections.ConfigDict,
   yield from epochs.flat_map(one_epoch).prefetch(tf.data.AUTOTUNE).as_numpy_iterator()
 
 
-def eval_batches(split: Split, batch_size: int) -> list[Batch]:
+def eval_batches(split: Split, batch_size: int, num_batches: int | None = None) -> list[Batch]:
   """The whole split as equal-sized batches, each example exactly once.
 
   The last batch is padded with zero images; `mask` is 1 for real examples and 0 for padding,
-  so every batch has one compiled shape and padding never counts.
+  so every batch has one compiled shape and padding never counts. `num_batches` pads further,
+  to that many batches (so that every process runs the same number of eval steps).
   """
   num_examples = len(split.labels)
   pad = -num_examples % batch_size
+  if num_batches is not None:
+    pad = num_batches * batch_size - num_examples
   mask = np.concatenate([np.ones(num_examples, np.bool_), np.zeros(pad, np.bool_)])
   images = np.concatenate([split.images, np.zeros((pad, *split.images.shape[1:]), np.uint8)])
   labels = np.concatenate([split.labels, np.zeros(pad, np.int32)])

@@ -1,6 +1,8 @@
 """Trains an NNX classifier: `python main.py --config=configs/default.py --workdir=runs/mnist`.
 
 Override any config value with `--config.<key>=<value>`, e.g. `--config.learning_rate=0.05`.
+On several hosts, run the same command on each with `--coordinator_address=HOST:PORT
+--num_processes=N --process_id=I` (see README.md).
 """
 
 import sys
@@ -13,6 +15,7 @@ from ml_collections import config_flags
 import tensorflow as tf
 
 import config_checks
+import parallel
 import train
 
 FLAGS = flags.FLAGS
@@ -20,11 +23,19 @@ flags.DEFINE_string('workdir', None, 'Directory for TensorBoard summaries and ch
 config_flags.DEFINE_config_file('config', None, 'Path to a config file with get_config().',
                                 lock_config=True)
 flags.mark_flags_as_required(['config', 'workdir'])
+flags.DEFINE_string('coordinator_address', None,
+                    'HOST:PORT of process 0, for a multi-process run (jax.distributed).')
+flags.DEFINE_integer('num_processes', None, 'Number of processes of a multi-process run.')
+flags.DEFINE_integer('process_id', None, 'Index of this process, in [0, num_processes).')
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  try:
+    parallel.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  except ValueError as error:
+    sys.exit(f'Flag error: {error}')
   # TensorFlow only feeds data; keep it off the GPUs so JAX gets all their memory.
   tf.config.set_visible_devices([], 'GPU')
   logging.info('JAX process %d of %d, local devices: %s', jax.process_index(),

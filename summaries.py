@@ -19,6 +19,7 @@ import tensorflow as tf
 from tensorboard.plugins.hparams import api as hp
 
 import input_pipeline
+import parallel
 
 # Scalars written at every eval that the HParams dashboard shows as metric columns.
 HPARAMS_METRICS = ('eval_accuracy', 'eval_loss')
@@ -53,8 +54,10 @@ def write_eval_images(writer: metric_writers.MetricWriter, step: int, prediction
   """
   if num_misclassified == 0:
     return
-  images = np.concatenate([batch['image'][batch['mask']] for batch in batches])
-  labels = np.concatenate([batch['label'][batch['mask']] for batch in batches])
+  masks = [parallel.to_host(batch['mask']) for batch in batches]
+  images, labels = (np.concatenate([parallel.to_host(batch[key])[mask]
+                                    for batch, mask in zip(batches, masks)])
+                    for key in ('image', 'label'))
   wrong = np.flatnonzero(predictions != labels)[:num_misclassified]
   pictures = {'eval_confusion_matrix': confusion_matrix_image(
       confusion_matrix(labels, predictions, num_classes))}

@@ -18,6 +18,7 @@ import config_checks
 import input_pipeline
 import models
 import optimizers
+import parallel
 import summaries
 
 
@@ -83,7 +84,8 @@ def evaluate(model: nnx.Module,
     predictions.append(predicted)
   model.train()
   return summarize(metrics, 'eval'), np.concatenate(
-      [np.asarray(predicted)[batch['mask']] for predicted, batch in zip(predictions, batches)])
+      [parallel.to_host(predicted)[parallel.to_host(batch['mask'])]
+       for predicted, batch in zip(predictions, batches)])
 
 
 def summarize(metrics: Metrics, prefix: str) -> dict[str, float]:
@@ -100,14 +102,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """
   config_checks.check_config(config)
   config_checks.check_workdir(workdir)
+  config_checks.check_against_devices(config, jax.device_count())
+  mesh = parallel.create_mesh()
+  jax.set_mesh(mesh)  # Model state and metrics are created replicated over all devices.
 
   builder = input_pipeline.prepared_builder(config)
   info = input_pipeline.get_info(builder, config)
   config_checks.check_against_data(config, info.num_train_examples)
   logging.info('Dataset: %s', info)
-  train_split = input_pipeline.load_split(builder, config.train_split)
-  eval_batches = input_pipeline.eval_batches(
-      input_pipeline.load_split(builder, config.eval_split), config.eval_batch_size)
+  train_split = input_pipeline.load_split(builder, parallel.process_train_split(config))
+  eval_batches = parallel.eval_batches(builder, config, mesh)
 
   steps_per_epoch = info.num_train_examples // config.batch_size
   num_steps = steps_per_epoch * config.num_epochs
@@ -130,7 +134,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   epoch_metrics = Metrics.empty()  # Since the start of the epoch.
   epoch_start = time.time()
   final_metrics = {}
-  for batches in input_pipeline.train_batches(train_split, config):
+  for batches in input_pipeline.train_batches(train_split, parallel.process_config(config)):
+    batches = parallel.shard(batches, mesh, axis=1)
     window_metrics = train_steps(model, optimizer, window_metrics, batches)
     first_step, step = step + 1, step + len(batches['label'])
     for completed in range(first_step, step + 1):

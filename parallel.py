@@ -1,0 +1,116 @@
+"""Data parallelism over every device of every process, with JAX's own runtime and shardings.
+
+One mesh axis, 'data', spans all devices (`jax.device_count()`, across processes). Every batch is
+split along 'data'; parameters, optimizer state and metrics are replicated. Under `jit`, XLA
+inserts the cross-device reductions itself (the gradient all-reduce, BatchNorm's batch
+statistics, metric sums), so the model and step code are unchanged and N devices compute what one
+device computes on the same global batch.
+
+With several processes (one per host), each reads only its own slice of every split
+(`tfds.split_for_jax_process`) and feeds its share of each global batch
+(`jax.make_array_from_process_local_data`). Every process must run the same number of steps, or
+the collectives hang:
+  * train: the split is cut into equal per-process slices, dropping the at most
+    `process_count - 1` examples left over (`drop_remainder=True`); every process then has the
+    same number of full batches per epoch.
+  * eval: nothing is dropped; every process pads its slice to the same number of batches and the
+    padding is masked out, so each example counts exactly once.
+"""
+
+from absl import logging
+import jax
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import ml_collections
+import numpy as np
+import tensorflow_datasets as tfds
+
+import input_pipeline
+
+
+def initialize(coordinator_address: str | None, num_processes: int | None,
+               process_id: int | None) -> None:
+  """Joins the multi-process JAX runtime; must run before anything touches a device.
+
+  With no arguments, JAX detects the clusters it knows (SLURM, Open MPI, Cloud TPU, GKE, ...)
+  and otherwise this stays a single process.
+  """
+  if (coordinator_address, num_processes, process_id) == (None, None, None):
+    try:
+      jax.distributed.initialize()
+    except ValueError:  # No known cluster: JAX lacks a coordinator address.
+      logging.info('No cluster detected: running as a single process.')
+    return
+  try:
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+  except (TypeError, ValueError) as error:
+    raise ValueError(
+        f'--coordinator_address={coordinator_address} --num_processes={num_processes} '
+        f'--process_id={process_id} cannot start a multi-process run ({error}): pass HOST:PORT of '
+        'process 0, the same --num_processes everywhere, and a distinct --process_id in '
+        '[0, num_processes) on each process.') from error
+
+
+def create_mesh() -> jax.sharding.Mesh:
+  """A 1-D mesh over all devices of all processes, axis 'data'.
+
+  Pass it to `jax.set_mesh` before creating the model: arrays created from then on (parameters,
+  optimizer state, fresh metrics) are replicated over the mesh, so the train and eval steps see
+  one layout and compile once.
+  """
+  # Auto axes: XLA propagates shardings from the inputs, so model code needs no annotations.
+  return jax.make_mesh((jax.device_count(),), ('data',),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def shard(batch: input_pipeline.Batch, mesh: jax.sharding.Mesh, axis: int = 0):
+  """Global arrays from this process's share of a batch, split along `axis` over 'data'.
+
+  `axis` is the batch axis: 1 for stacked train chunks (K, B, ...), 0 for eval batches.
+  """
+  spec = P(*[None] * axis, 'data')
+  return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), batch)
+
+
+def to_host(array: jax.Array) -> np.ndarray:
+  """The whole global `array` as a NumPy array on every process (a collective: all must call)."""
+  return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+def process_train_split(config: ml_collections.ConfigDict) -> tfds.typing.SplitArg:
+  """This process's equal-sized slice of the training split (the remainder is dropped)."""
+  return tfds.split_for_jax_process(config.train_split, drop_remainder=True)
+
+
+def process_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A copy of `config` with `batch_size` set to this process's share of each global batch."""
+  local_config = config.copy_and_resolve_references()
+  local_config.batch_size = config.batch_size // jax.process_count()
+  return local_config
+
+
+def eval_batch_size(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> int:
+  """`config.eval_batch_size` rounded up to a multiple of the device count."""
+  return -(-config.eval_batch_size // mesh.size) * mesh.size
+
+
+def eval_batches(builder: tfds.core.DatasetBuilder, config: ml_collections.ConfigDict,
+                 mesh: jax.sharding.Mesh) -> list[input_pipeline.Batch]:
+  """The whole eval split as sharded, masked batches; each example counts exactly once.
+
+  Each process loads its slice (sizes differ by at most one) and pads it to as many batches as
+  the largest slice needs, so all processes run the same number of eval steps. The batches stay
+  on the devices for the whole run (MNIST-scale eval splits), sparing a transfer per epoch.
+  """
+  global_batch = eval_batch_size(config, mesh)
+  if global_batch != config.eval_batch_size:
+    logging.info('Eval batch size %d rounded up to %d, a multiple of the %d devices.',
+                 config.eval_batch_size, global_batch, mesh.size)
+  num_processes = jax.process_count()
+  local_batch = global_batch // num_processes
+  largest_slice = -(-builder.info.splits[config.eval_split].num_examples // num_processes)
+  num_batches = -(-largest_slice // local_batch)
+  split = input_pipeline.load_split(builder, tfds.split_for_jax_process(config.eval_split))
+  return [shard(batch, mesh)
+          for batch in input_pipeline.eval_batches(split, local_batch, num_batches)]

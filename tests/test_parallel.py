@@ -1,0 +1,167 @@
+"""Data parallelism: 4 simulated devices in one process, and two real processes on 127.0.0.1."""
+
+import glob
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import config_checks
+import input_pipeline
+from configs import default
+from test_end_to_end import _scalars  # pytest puts tests/ on sys.path.
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Runs in a subprocess with 4 CPU devices: 3 train steps on real MNIST (global batch 128) and an
+# eval of the whole test split, once on a 1-device mesh and once on the 4-device mesh. Prints
+# JSON: the metrics of both, the largest parameter difference, the state and batch shardings,
+# and how many compilations the later train dispatches needed.
+_FOUR_DEVICE_SCRIPT = r'''
+import json, sys
+import jax, numpy as np
+from flax import nnx
+import input_pipeline, models, optimizers, parallel, train
+from configs import default
+
+config = default.get_config()
+config.data_dir = sys.argv[1]
+config.eval_batch_size = 1001  # Rounded up to 1004 on 4 devices: padding must stay masked.
+builder = input_pipeline.prepared_builder(config)
+split = input_pipeline.load_split(builder, 'train[:384]')
+batches = {'image': split.images.reshape(3, 1, 128, 28, 28, 1).astype(np.float32) / 255,
+           'label': split.labels.reshape(3, 1, 128)}
+compiles = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, duration, **kwargs: compiles.append(event)
+    if event == '/jax/core/compile/backend_compile_duration' else None)
+auto = (jax.sharding.AxisType.Auto,)
+out = {}
+for name, mesh in (('one', jax.make_mesh((1,), ('data',), axis_types=auto,
+                                         devices=jax.devices()[:1])),
+                   ('four', parallel.create_mesh())):
+  with jax.set_mesh(mesh):
+    model = models.create_model(config, (28, 28, 1), 10, nnx.Rngs(config.seed))
+    schedule = optimizers.create_learning_rate_schedule(config, steps_per_epoch=3)
+    optimizer = nnx.Optimizer(model, optimizers.create_optimizer(config, schedule), wrt=nnx.Param)
+    metrics = train.Metrics.empty()
+    for step in range(3):
+      if step == 1:
+        compiles.clear()
+      batch = parallel.shard(jax.tree.map(lambda x: x[step], batches), mesh, axis=1)
+      metrics = train.train_steps(model, optimizer, metrics, batch)
+    later_compiles = len(compiles)
+    eval_metrics = train.evaluate(model, parallel.eval_batches(builder, config, mesh))
+  out[name] = {**train.summarize(metrics, 'train'), **eval_metrics,
+               'later_train_compiles': later_compiles,
+               'batch_spec': str(batch['image'].sharding.spec),
+               'state_specs': sorted({str(x.sharding.spec) for x in jax.tree.leaves(
+                   nnx.state((model, optimizer)))}),
+               'state_devices': len(jax.tree.leaves(nnx.state(model))[0].sharding.device_set)}
+  out[name + '_params'] = jax.tree.map(np.asarray, nnx.state(model, nnx.Param, nnx.BatchStat))
+differences = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))),
+                           out.pop('one_params'), out.pop('four_params'))
+out['max_param_difference'] = max(jax.tree.leaves(differences))
+print('RESULT', json.dumps(out))
+'''
+
+
+def test_four_devices_match_one_device_on_the_same_global_batch(tfds_data_dir):
+  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=4',
+         'JAX_PLATFORMS': 'cpu'}
+  result = subprocess.run([sys.executable, '-c', _FOUR_DEVICE_SCRIPT, tfds_data_dir],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = json.loads(result.stdout.split('RESULT ')[-1])
+  one, four = out['one'], out['four']
+
+  assert four['batch_spec'] == "P(None, 'data')"
+  assert four['state_specs'] == ['P()'] and four['state_devices'] == 4
+  # Steps 2 and 3 reuse the executable that step 1 compiled for fresh metrics.
+  assert four['later_train_compiles'] == 0
+  assert out['max_param_difference'] < 1e-5
+  assert one['train_num_examples'] == four['train_num_examples'] == 384
+  assert one['eval_num_examples'] == four['eval_num_examples'] == 10_000
+  for key in ('train_loss', 'train_accuracy', 'eval_loss', 'eval_accuracy'):
+    assert four[key] == pytest.approx(one[key], rel=1e-5), key
+
+
+def test_batch_size_must_divide_by_the_device_count():
+  config = default.get_config()
+  config.batch_size = 130
+  with pytest.raises(config_checks.ConfigError,
+                     match=r'config.batch_size=130 does not divide by the 4 devices.*such as 132'):
+    config_checks.check_against_devices(config, num_devices=4)
+  config_checks.check_against_devices(config, num_devices=2)
+
+
+def test_bad_process_flags_exit_with_the_fix(tmp_path):
+  result = subprocess.run(
+      [sys.executable, 'main.py', '--config=configs/default.py', f'--workdir={tmp_path}',
+       '--coordinator_address=127.0.0.1:1', '--num_processes=2', '--process_id=2'],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert result.returncode != 0
+  assert 'Flag error: --coordinator_address=127.0.0.1:1 --num_processes=2 --process_id=2' in (
+      result.stderr)
+  assert 'a distinct --process_id in [0, num_processes)' in result.stderr
+
+
+def test_eval_batches_pad_to_the_requested_number_of_batches():
+  split = input_pipeline.Split(images=np.ones((7, 2, 2, 1), np.uint8),
+                               labels=np.arange(7, dtype=np.int32))
+  batches = input_pipeline.eval_batches(split, batch_size=3, num_batches=4)
+  assert [len(batch['label']) for batch in batches] == [3, 3, 3, 3]
+  mask = np.concatenate([batch['mask'] for batch in batches])
+  assert mask.sum() == 7 and not mask[7:].any()
+
+
+def _free_port() -> int:
+  with socket.socket() as sock:
+    sock.bind(('127.0.0.1', 0))
+    return sock.getsockname()[1]
+
+
+def test_two_processes_match_one_process(tfds_data_dir, tmp_path):
+  """Two processes on 127.0.0.1 (gloo collectives) give the same run as one process.
+
+  Each process reads its own slice of the split, so a global batch equals one process's batch
+  only without shuffling and with one step per epoch: 2 epochs of 1 step on 'train[:1025]'
+  (each process gets 512 images; the odd one is dropped, as in one process with batch 1024).
+  """
+  flags = [f'--config.data_dir={tfds_data_dir}', "--config.train_split=train[:1025]",
+           '--config.batch_size=1024', '--config.shuffle_buffer_size=1',
+           '--config.num_epochs=2']
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
+  env.pop('XLA_FLAGS', None)
+
+  def launch(workdir, *extra):
+    return subprocess.Popen(
+        [sys.executable, 'main.py', '--config=configs/default.py', f'--workdir={workdir}',
+         *flags, *extra],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+  coordinator = f'--coordinator_address=127.0.0.1:{_free_port()}'
+  runs = [launch(tmp_path / 'multi', coordinator, '--num_processes=2', f'--process_id={i}')
+          for i in range(2)]
+  runs.append(launch(tmp_path / 'single'))
+  try:
+    logs = [run.communicate(timeout=600)[0] for run in runs]
+  finally:
+    for run in runs:
+      run.kill()
+  for run, log in zip(runs, logs):
+    assert run.returncode == 0, log[-3000:]
+  assert 'JAX process 1 of 2' in logs[1]
+
+  # Only process 0 writes summaries: one event file in the shared workdir.
+  assert len(glob.glob(str(tmp_path / 'multi' / 'events.out.tfevents.*'))) == 1
+  multi, single = _scalars(str(tmp_path / 'multi')), _scalars(str(tmp_path / 'single'))
+  assert multi['eval_num_examples'] == [(1, 10_000.0), (2, 10_000.0)]
+  for tag in ('train_loss', 'train_accuracy', 'eval_loss', 'eval_accuracy'):
+    assert [step for step, _ in multi[tag]] == [1, 2], tag
+    np.testing.assert_allclose([value for _, value in multi[tag]],
+                               [value for _, value in single[tag]], rtol=1e-5, err_msg=tag)
