@@ -124,8 +124,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
   summaries.write_config(writer, workdir, config)
+  # Called once per dispatch, so it triggers on time and at every epoch end (always the end of
+  # a dispatch), not every N steps, which would need a call after every single step.
   report_progress = periodic_actions.ReportProgress(
-      num_train_steps=num_steps, writer=writer, every_steps=config.log_every_steps)
+      num_train_steps=num_steps, writer=writer, every_secs=10,
+      on_steps=range(steps_per_epoch, num_steps + 1, steps_per_epoch))
 
   logging.info('Training for %d epochs of %d steps (batch %d).', config.num_epochs,
                steps_per_epoch, config.batch_size)
@@ -138,8 +141,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     batches = parallel.shard(batches, mesh, axis=1)
     window_metrics = train_steps(model, optimizer, window_metrics, batches)
     first_step, step = step + 1, step + len(batches['label'])
-    for completed in range(first_step, step + 1):
-      report_progress(completed)  # Expects a call after every step.
+    report_progress(step)
 
     end_of_epoch = step % steps_per_epoch == 0
     if step // config.log_every_steps > (first_step - 1) // config.log_every_steps or end_of_epoch:
