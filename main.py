@@ -5,6 +5,8 @@ Override any config value with `--config.<key>=<value>`, e.g. `--config.learning
 
 import sys
 
+import triton_before_tf  # pylint: disable=unused-import  (must precede tensorflow)
+
 from absl import app
 from absl import flags
 from absl import logging

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 
 import config_checks
+import data_sources
 import input_pipeline
 import models
 import optimizers
@@ -101,13 +102,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   config_checks.check_config(config)
   config_checks.check_workdir(workdir)
 
-  builder = input_pipeline.prepared_builder(config)
-  info = input_pipeline.get_info(builder, config)
+  info, load_split = data_sources.open_source(config)
   config_checks.check_against_data(config, info.num_train_examples)
   logging.info('Dataset: %s', info)
-  train_split = input_pipeline.load_split(builder, config.train_split)
-  eval_batches = input_pipeline.eval_batches(
-      input_pipeline.load_split(builder, config.eval_split), config.eval_batch_size)
+  train_split = load_split(config.train_split)
+  eval_batches = input_pipeline.eval_batches(load_split(config.eval_split), config.eval_batch_size)
 
   steps_per_epoch = info.num_train_examples // config.batch_size
   num_steps = steps_per_epoch * config.num_epochs
@@ -130,7 +129,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   epoch_metrics = Metrics.empty()  # Since the start of the epoch.
   epoch_start = time.time()
   final_metrics = {}
-  for batches in input_pipeline.train_batches(train_split, config):
+  for batches in data_sources.train_batches(train_split, config):
     window_metrics = train_steps(model, optimizer, window_metrics, batches)
     first_step, step = step + 1, step + len(batches['label'])
     for completed in range(first_step, step + 1):
