@@ -59,7 +59,7 @@ def _check_data_source(config: ml_collections.ConfigDict) -> None:
              "such as 'mnist', 'fashion_mnist', 'kmnist' or 'cifar10' (see tfds.list_builders()).")
   elif config.data_source == 'torchvision':
     import torchvision  # pylint: disable=g-import-not-at-top  (optional, checked above)
-    _require(hasattr(torchvision.datasets, config.dataset),
+    _require(config.dataset in torchvision.datasets.__all__,
              f'Unknown torchvision dataset {config.dataset!r}: config.dataset must be a '
              "torchvision.datasets class such as 'MNIST', 'FashionMNIST' or 'CIFAR10'.")
     _require(config.data_dir is not None,
