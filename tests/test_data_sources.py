@@ -2,6 +2,7 @@
 
 import gzip
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -209,9 +210,10 @@ def test_torchvision_cli_run_scores_98_percent(torchvision_root, tmp_path):
        f'--config.data_dir={torchvision_root}', '--config.num_epochs=1'],
       cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert result.returncode == 0, result.stderr[-3000:]
-  accuracy = float(result.stderr.split('eval_accuracy=')[-1].split()[0])
-  assert 'epoch 1/1:' in result.stderr and '(10000 examples)' in result.stderr
-  assert accuracy >= 0.98, accuracy
+  accuracy, num_examples = re.search(r'epoch 1/1: .* eval_accuracy=([\d.]+) \((\d+) examples\)',
+                                     result.stderr).groups()
+  assert int(num_examples) == 10_000
+  assert float(accuracy) >= 0.98, accuracy
 
 
 def test_short_runs_through_huggingface_and_the_torch_backend(torchvision_root, huggingface_dir,
