@@ -1,10 +1,12 @@
 """Checks a config and workdir before any data is read or any code is compiled."""
 
+import importlib
 import os
 import tempfile
 
 import ml_collections
 
+import data_sources
 import models
 import optimizers
 
@@ -20,11 +22,7 @@ def _require(condition: bool, message: str) -> None:
 
 def check_config(config: ml_collections.ConfigDict) -> None:
   """Checks every value that can be judged without the data."""
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (slow import)
-  known = tfds.list_builders(with_community_datasets=False)
-  _require(config.dataset.split('/')[0].split(':')[0] in known,
-           f'Unknown dataset {config.dataset!r}: config.dataset must be a TFDS dataset name such '
-           "as 'mnist', 'fashion_mnist', 'kmnist' or 'cifar10' (see tfds.list_builders()).")
+  _check_data_source(config)
   for key, valid in (('model', models.MODELS), ('optimizer', optimizers.OPTIMIZERS),
                      ('schedule', optimizers.SCHEDULES)):
     _require(config[key] in valid,
@@ -44,6 +42,42 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   _require(0 <= config.warmup_epochs <= config.num_epochs,
            f'config.warmup_epochs={config.warmup_epochs!r} is invalid: it must be in '
            f'[0, num_epochs={config.num_epochs}].')
+
+
+def _check_data_source(config: ml_collections.ConfigDict) -> None:
+  """Checks the data source and input backend, their optional packages, and the dataset name."""
+  for key, valid in (('data_source', data_sources.SOURCES),
+                     ('input_backend', data_sources.INPUT_BACKENDS)):
+    _require(config[key] in valid,
+             f'Unknown {key} {config[key]!r}: config.{key} must be one of {sorted(valid)}.')
+    _require_package(key, config[key])
+  if config.data_source == 'tfds':
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (slow import)
+    known = tfds.list_builders(with_community_datasets=False)
+    _require(config.dataset.split('/')[0].split(':')[0] in known,
+             f'Unknown dataset {config.dataset!r}: config.dataset must be a TFDS dataset name '
+             "such as 'mnist', 'fashion_mnist', 'kmnist' or 'cifar10' (see tfds.list_builders()).")
+  elif config.data_source == 'torchvision':
+    import torchvision  # pylint: disable=g-import-not-at-top  (optional, checked above)
+    _require(config.dataset in torchvision.datasets.__all__,
+             f'Unknown torchvision dataset {config.dataset!r}: config.dataset must be a '
+             "torchvision.datasets class such as 'MNIST', 'FashionMNIST' or 'CIFAR10'.")
+    _require(config.data_dir is not None,
+             "config.data_source='torchvision' needs config.data_dir: the root that holds the "
+             'data (for MNIST: ROOT/MNIST/raw/).')
+
+
+def _require_package(key: str, value: str) -> None:
+  """Imports the optional package that `config.<key>=value` needs, if any."""
+  package = data_sources.OPTIONAL_PACKAGES.get(value)
+  if package is None:
+    return
+  try:
+    importlib.import_module(package)
+  except ImportError as error:
+    raise ConfigError(f'config.{key}={value!r} needs the {package!r} package, which is not '
+                      f'installed: pip install -r requirements-extras.txt (or pip install '
+                      f'{package}).') from error
 
 
 def check_workdir(workdir: str) -> None:

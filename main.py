@@ -7,6 +7,8 @@ On several hosts, run the same command on each with `--coordinator_address=HOST:
 
 import sys
 
+import triton_before_tf  # pylint: disable=unused-import  (must precede tensorflow)
+
 from absl import app
 from absl import flags
 from absl import logging

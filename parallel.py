@@ -17,6 +17,8 @@ the collectives hang:
     padding is masked out, so each example counts exactly once.
 """
 
+from collections.abc import Callable
+
 from absl import logging
 import jax
 from jax.experimental import multihost_utils
@@ -78,9 +80,15 @@ def to_host(array: jax.Array) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
-def process_train_split(config: ml_collections.ConfigDict) -> tfds.typing.SplitArg:
-  """This process's equal-sized slice of the training split (the remainder is dropped)."""
-  return tfds.split_for_jax_process(config.train_split, drop_remainder=True)
+def process_split(split: str, drop_remainder: bool = False) -> tfds.typing.SplitArg:
+  """This process's slice of `split`; the split itself in a single-process run.
+
+  With `drop_remainder`, all slices have the same size (the remainder is dropped). Slices are
+  TFDS split objects, so several processes need the TFDS data source.
+  """
+  if jax.process_count() == 1:
+    return split
+  return tfds.split_for_jax_process(split, drop_remainder=drop_remainder)
 
 
 def process_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -95,7 +103,8 @@ def eval_batch_size(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) 
   return -(-config.eval_batch_size // mesh.size) * mesh.size
 
 
-def eval_batches(builder: tfds.core.DatasetBuilder, config: ml_collections.ConfigDict,
+def eval_batches(load_split: Callable[[str], input_pipeline.Split], num_examples: int,
+                 config: ml_collections.ConfigDict,
                  mesh: jax.sharding.Mesh) -> list[input_pipeline.Batch]:
   """The whole eval split as sharded, masked batches; each example counts exactly once.
 
@@ -109,8 +118,8 @@ def eval_batches(builder: tfds.core.DatasetBuilder, config: ml_collections.Confi
                  config.eval_batch_size, global_batch, mesh.size)
   num_processes = jax.process_count()
   local_batch = global_batch // num_processes
-  largest_slice = -(-builder.info.splits[config.eval_split].num_examples // num_processes)
+  largest_slice = -(-num_examples // num_processes)
   num_batches = -(-largest_slice // local_batch)
-  split = input_pipeline.load_split(builder, tfds.split_for_jax_process(config.eval_split))
+  split = load_split(process_split(config.eval_split))
   return [shard(batch, mesh)
           for batch in input_pipeline.eval_batches(split, local_batch, num_batches)]

@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+import triton_before_tf  # pylint: disable=unused-import  (must precede tensorflow)
+
 from absl import app
 from absl import flags
 from absl import logging

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 
 import config_checks
+import data_sources
 import input_pipeline
 import models
 import optimizers
@@ -106,12 +107,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   mesh = parallel.create_mesh()
   jax.set_mesh(mesh)  # Model state and metrics are created replicated over all devices.
 
-  builder = input_pipeline.prepared_builder(config)
-  info = input_pipeline.get_info(builder, config)
+  info, load_split = data_sources.open_source(config)
   config_checks.check_against_data(config, info.num_train_examples)
   logging.info('Dataset: %s', info)
-  train_split = input_pipeline.load_split(builder, parallel.process_train_split(config))
-  eval_batches = parallel.eval_batches(builder, config, mesh)
+  train_split = load_split(parallel.process_split(config.train_split, drop_remainder=True))
+  eval_batches = parallel.eval_batches(load_split, info.num_eval_examples, config, mesh)
 
   steps_per_epoch = info.num_train_examples // config.batch_size
   num_steps = steps_per_epoch * config.num_epochs
@@ -137,7 +137,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   epoch_metrics = Metrics.empty()  # Since the start of the epoch.
   epoch_start = time.time()
   final_metrics = {}
-  for batches in input_pipeline.train_batches(train_split, parallel.process_config(config)):
+  for batches in data_sources.train_batches(train_split, parallel.process_config(config)):
     batches = parallel.shard(batches, mesh, axis=1)
     window_metrics = train_steps(model, optimizer, window_metrics, batches)
     first_step, step = step + 1, step + len(batches['label'])

@@ -6,13 +6,19 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   # Data.
-  config.dataset = 'mnist'  # TFDS name of an image-classification dataset ('image' + 'label').
-  # TFDS data dir; None = TFDS's default, which honours $TFDS_DATA_DIR. A typed placeholder so
-  # that --config.data_dir=/path can override it.
+  config.data_source = 'tfds'  # Where the data comes from: 'tfds', 'huggingface' or 'torchvision'.
+  # TFDS or Hugging Face name (or local dir) of an image-classification dataset, or a
+  # torchvision.datasets class name such as 'MNIST'.
+  config.dataset = 'mnist'
+  # TFDS data dir, Hugging Face cache dir or torchvision root; None = TFDS's (or Hugging Face's)
+  # default, which honours $TFDS_DATA_DIR. A typed placeholder so that --config.data_dir=/path
+  # can override it.
   config.data_dir = ml_collections.config_dict.placeholder(str)
+  config.download = False  # torchvision only: download the dataset into data_dir if missing.
   config.train_split = 'train'  # TFDS split to train on (split slicing such as 'train[:90%]' works).
   config.eval_split = 'test'  # TFDS split evaluated in full after every epoch.
   config.shuffle_buffer_size = 60_000  # Examples in the shuffle buffer; >= split size = perfect shuffle.
+  config.input_backend = 'tf'  # Training batches from 'tf' (tf.data) or 'torch' (DataLoader).
   config.steps_per_dispatch = 1  # Train steps run per jit call (a lax.scan over stacked batches).
   # Model.
   config.model = 'cnn'  # 'cnn' (reference CNN) or 'mlp' (784-512-512-10 perceptron).

@@ -6,6 +6,8 @@ import shutil
 
 import pytest
 
+import triton_before_tf  # pylint: disable=unused-import  (must precede tensorflow)
+
 SHARED_MNIST = pathlib.Path(__file__).resolve().parents[2] / 'shared' / 'datasets' / 'mnist'
 
 

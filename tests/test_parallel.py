@@ -55,7 +55,8 @@ for name, mesh in (('one', jax.make_mesh((1,), ('data',), axis_types=auto,
       batch = parallel.shard(jax.tree.map(lambda x: x[step], batches), mesh, axis=1)
       metrics = train.train_steps(model, optimizer, metrics, batch)
     later_compiles = len(compiles)
-    eval_metrics, _ = train.evaluate(model, parallel.eval_batches(builder, config, mesh))
+    eval_metrics, _ = train.evaluate(model, parallel.eval_batches(
+        lambda split: input_pipeline.load_split(builder, split), 10_000, config, mesh))
   out[name] = {**train.summarize(metrics, 'train'), **eval_metrics,
                'later_train_compiles': later_compiles,
                'batch_spec': str(batch['image'].sharding.spec),

@@ -1,0 +1,232 @@
+"""Data sources: TFDS, torchvision and Hugging Face give the same arrays, and train end to end."""
+
+import gzip
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+from PIL import Image
+import pytest
+from tensorflow_datasets.core import hashing
+
+import config_checks
+import data_sources
+import input_pipeline
+import torch_pipeline
+import train
+from configs import default
+from conftest import SHARED_MNIST
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _config(**overrides):
+  config = default.get_config()
+  config.update(overrides)
+  return config
+
+
+@pytest.fixture(scope='module')
+def torchvision_root(tmp_path_factory):
+  """A torchvision root with the original MNIST files gunzipped into ROOT/MNIST/raw/."""
+  assert SHARED_MNIST.is_dir(), f'the original MNIST files are needed in {SHARED_MNIST}'
+  root = tmp_path_factory.mktemp('torchvision')
+  raw = root / 'MNIST' / 'raw'
+  raw.mkdir(parents=True)
+  for path in SHARED_MNIST.glob('*.gz'):
+    with gzip.open(path) as packed, open(raw / path.stem, 'wb') as unpacked:
+      shutil.copyfileobj(packed, unpacked)
+  return str(root)
+
+
+@pytest.fixture(scope='module')
+def tfds_splits(tfds_data_dir):
+  """TFDS's MNIST: the first 12,800 training images and the 10,000 test images."""
+  _, load_split = data_sources.open_source(_config(data_dir=tfds_data_dir))
+  return {'train': load_split('train[:12800]'), 'test': load_split('test')}
+
+
+@pytest.fixture(scope='module')
+def huggingface_dir(tfds_splits, tmp_path_factory):
+  """A local Hugging Face DatasetDict of those images as PIL images, as a user would save one."""
+  import datasets  # pylint: disable=g-import-not-at-top  (optional)
+  features = datasets.Features({'img': datasets.Image(),
+                                'digit': datasets.ClassLabel(num_classes=10)})
+  path = str(tmp_path_factory.mktemp('huggingface') / 'mnist')
+  datasets.DatasetDict({
+      name: datasets.Dataset.from_dict(
+          {'img': [Image.fromarray(image[..., 0]) for image in split.images],
+           'digit': split.labels.tolist()}, features=features)
+      for name, split in tfds_splits.items()
+  }).save_to_disk(path)
+  return path
+
+
+def _in_file_order(split, split_name):
+  """A TFDS split in the order of the original files.
+
+  TFDS stores the examples of a split sorted by the md5 hash of their key (the example's index
+  in the original files for MNIST), salted with the split name; this undoes that permutation.
+  """
+  hasher = hashing.Hasher(split_name)
+  stored_order = np.argsort([hasher.hash_key(index) for index in range(len(split.labels))])
+  images, labels = np.empty_like(split.images), np.empty_like(split.labels)
+  images[stored_order], labels[stored_order] = split.images, split.labels
+  return input_pipeline.Split(images=images, labels=labels)
+
+
+def test_to_split_adds_the_channel_axis_and_casts_labels():
+  gray = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+  split = data_sources.to_split(gray, [3, 7])
+  assert split.images.shape == (2, 3, 4, 1) and split.images.dtype == np.uint8
+  assert split.labels.dtype == np.int32 and list(split.labels) == [3, 7]
+  # PIL images: grayscale ones get the channel axis too, RGB ones keep their 3 channels.
+  from_pil = data_sources.to_split([Image.fromarray(image) for image in gray], np.array([3, 7]))
+  np.testing.assert_array_equal(from_pil.images, split.images)
+  rgb = data_sources.to_split([Image.fromarray(image).convert('RGB') for image in gray], [0, 1])
+  assert rgb.images.shape == (2, 3, 4, 3)
+  with pytest.raises(ValueError, match='uint8.*float32'):
+    data_sources.to_split(gray.astype(np.float32), [3, 7])
+
+
+def test_torchvision_mnist_equals_tfds(torchvision_root, tfds_data_dir, tfds_splits):
+  config = _config(data_source='torchvision', dataset='MNIST', data_dir=torchvision_root)
+  info, load_split = data_sources.open_source(config)
+  tfds_info, _ = data_sources.open_source(_config(data_dir=tfds_data_dir))
+  assert info == input_pipeline.DatasetInfo(
+      name='MNIST', image_shape=tfds_info.image_shape, num_classes=tfds_info.num_classes,
+      num_train_examples=tfds_info.num_train_examples,
+      num_eval_examples=tfds_info.num_eval_examples)
+
+  test = load_split('test')
+  assert test.images.shape == (10_000, 28, 28, 1) == tfds_splits['test'].images.shape
+  assert test.images.dtype == tfds_splits['test'].images.dtype == np.uint8
+  assert test.labels.dtype == tfds_splits['test'].labels.dtype == np.int32
+  tfds_test = _in_file_order(tfds_splits['test'], 'test')
+  np.testing.assert_array_equal(test.images, tfds_test.images)
+  np.testing.assert_array_equal(test.labels, tfds_test.labels)
+  # TFDS split slicing works for torchvision too.
+  np.testing.assert_array_equal(load_split('test[:10]+train[5:7]').labels,
+                                np.concatenate([test.labels[:10], load_split('train').labels[5:7]]))
+
+
+def test_huggingface_local_dataset(huggingface_dir, tfds_splits):
+  config = _config(data_source='huggingface', dataset=huggingface_dir)
+  info, load_split = data_sources.open_source(config)
+  assert info == input_pipeline.DatasetInfo(name=huggingface_dir, image_shape=(28, 28, 1),
+                                            num_classes=10, num_train_examples=12_800,
+                                            num_eval_examples=10_000)
+  test = load_split('test')
+  assert test.images.shape == (10_000, 28, 28, 1) and test.images.dtype == np.uint8
+  assert test.labels.dtype == np.int32
+  np.testing.assert_array_equal(test.images, tfds_splits['test'].images)
+  np.testing.assert_array_equal(test.labels, tfds_splits['test'].labels)
+  batches = input_pipeline.eval_batches(test, batch_size=1000)
+  assert min(batch['image'].min() for batch in batches) == 0.0
+  assert max(batch['image'].max() for batch in batches) == 1.0
+
+
+def test_missing_data_says_where_it_looked(tmp_path):
+  config = _config(data_source='torchvision', dataset='MNIST', data_dir=str(tmp_path))
+  with pytest.raises(RuntimeError, match=str(tmp_path / 'MNIST' / 'raw')):
+    data_sources.open_source(config)
+  missing = str(tmp_path / 'no_such_dataset')
+  with pytest.raises(RuntimeError, match=f'local directory {missing!r}'):
+    data_sources.open_source(_config(data_source='huggingface', dataset=missing))
+
+
+@pytest.mark.parametrize('key,value,package', [
+    ('data_source', 'torchvision', 'torchvision'),
+    ('data_source', 'huggingface', 'datasets'),
+    ('input_backend', 'torch', 'torch'),
+])
+def test_missing_optional_package_names_it(monkeypatch, tmp_path, key, value, package):
+  monkeypatch.setitem(sys.modules, package, None)  # Makes `import <package>` fail.
+  config = _config(**{key: value}, dataset='MNIST', data_dir=str(tmp_path / 'no_data_here'))
+  with pytest.raises(config_checks.ConfigError,
+                     match=rf"config.{key}='{value}' needs the '{package}' package.*"
+                           r'pip install -r requirements-extras.txt'):
+    train.train_and_evaluate(config, str(tmp_path / 'workdir'))
+  assert not (tmp_path / 'no_data_here').exists()
+
+
+@pytest.mark.parametrize('overrides,message', [
+    (dict(data_source='tfsd'), r"Unknown data_source 'tfsd'.*\['huggingface', 'tfds', "
+                               r"'torchvision'\]"),
+    (dict(input_backend='jax'), r"Unknown input_backend 'jax'.*\['tf', 'torch'\]"),
+    (dict(data_source='torchvision', dataset='mnist', data_dir='/tmp'),
+     r"Unknown torchvision dataset 'mnist'.*'MNIST'"),
+    (dict(data_source='torchvision', dataset='MNIST'), r'needs config.data_dir'),
+])
+def test_bad_data_source_values(overrides, message):
+  with pytest.raises(config_checks.ConfigError, match=message):
+    config_checks.check_config(_config(**overrides))
+
+
+def _split(num_examples):
+  rng = np.random.default_rng(0)
+  images = rng.integers(0, 256, (num_examples, 6, 5, 1), dtype=np.uint8)
+  return input_pipeline.Split(images=images, labels=np.arange(num_examples, dtype=np.int32))
+
+
+def _ids(chunks):
+  return np.concatenate([chunk['label'].reshape(-1) for chunk in chunks])
+
+
+def _layout(chunk):
+  return {key: (value.shape, value.dtype) for key, value in chunk.items()}
+
+
+def test_torch_batches_match_the_tf_pipeline():
+  split = _split(100)
+  options = dict(batch_size=8, num_epochs=2, steps_per_dispatch=5)
+  torch_chunks = list(torch_pipeline.train_batches(split, _config(**options)))
+  tf_chunks = list(input_pipeline.train_batches(split, _config(**options)))
+  assert [_layout(chunk) for chunk in torch_chunks] == [_layout(chunk) for chunk in tf_chunks]
+  for chunk in torch_chunks:
+    # The same pixel values as the tf.data path: each image is its uint8 source / 255.
+    np.testing.assert_array_equal(chunk['image'],
+                                  split.images[chunk['label']].astype(np.float32) / 255.0)
+  epochs = _ids(torch_chunks).reshape(2, -1)
+  assert all(len(set(epoch)) == 96 for epoch in epochs)  # 12 full batches, no repeats.
+  assert not np.array_equal(epochs[0], epochs[1])  # Reshuffled every epoch...
+  # ...from a per-epoch seed: the same order again, from any start epoch; another with seed 1.
+  np.testing.assert_array_equal(
+      _ids(torch_pipeline.train_batches(split, _config(**options))), epochs.ravel())
+  np.testing.assert_array_equal(
+      _ids(torch_pipeline.train_batches(split, _config(**options), start_epoch=1)), epochs[1])
+  assert not np.array_equal(
+      _ids(torch_pipeline.train_batches(split, _config(**options, seed=1))), epochs.ravel())
+
+
+def test_torchvision_cli_run_scores_98_percent(torchvision_root, tmp_path):
+  # The issue's command: one epoch of the default CNN on all 60,000 torchvision training images.
+  result = subprocess.run(
+      [sys.executable, 'main.py', '--config=configs/default.py', f'--workdir={tmp_path}',
+       '--config.data_source=torchvision', '--config.dataset=MNIST',
+       f'--config.data_dir={torchvision_root}', '--config.num_epochs=1'],
+      cwd=ROOT, capture_output=True, text=True, timeout=900)
+  assert result.returncode == 0, result.stderr[-3000:]
+  accuracy, num_examples = re.search(r'epoch 1/1: .* eval_accuracy=([\d.]+) \((\d+) examples\)',
+                                     result.stderr).groups()
+  assert int(num_examples) == 10_000
+  assert float(accuracy) >= 0.98, accuracy
+
+
+def test_short_runs_through_huggingface_and_the_torch_backend(torchvision_root, huggingface_dir,
+                                                             tmp_path):
+  # 100 steps each on real training images, then scored on the 10,000 real test images.
+  runs = {
+      'torch_backend': _config(data_source='torchvision', dataset='MNIST',
+                               data_dir=torchvision_root, input_backend='torch',
+                               train_split='train[:12800]'),
+      'huggingface': _config(data_source='huggingface', dataset=huggingface_dir),
+  }
+  for name, config in runs.items():
+    config.num_epochs = 1
+    metrics = train.train_and_evaluate(config, str(tmp_path / name))
+    assert metrics['eval_num_examples'] == 10_000, (name, metrics)
+    assert metrics['eval_accuracy'] > 0.9, (name, metrics)
