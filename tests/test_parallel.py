@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -158,8 +159,11 @@ def test_two_processes_match_one_process(tfds_data_dir, tmp_path):
     assert run.returncode == 0, log[-3000:]
   assert 'JAX process 1 of 2' in logs[1]
 
-  # Only process 0 writes summaries: one event file in the shared workdir.
-  assert len(glob.glob(str(tmp_path / 'multi' / 'events.out.tfevents.*'))) == 1
+  # Only process 0 writes summaries: every event file in the shared workdir is its own
+  # (event file names end in .<pid>.<index>.v2).
+  writers = {re.search(r'\.(\d+)\.\d+\.v2$', path).group(1)
+             for path in glob.glob(str(tmp_path / 'multi' / 'events.out.tfevents.*'))}
+  assert writers == {str(runs[0].pid)}
   multi, single = _scalars(str(tmp_path / 'multi')), _scalars(str(tmp_path / 'single'))
   assert multi['eval_num_examples'] == [(1, 10_000.0), (2, 10_000.0)]
   for tag in ('train_loss', 'train_accuracy', 'eval_loss', 'eval_accuracy'):
