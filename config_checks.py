@@ -28,7 +28,8 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     _require(config[key] in valid,
              f'Unknown {key} {config[key]!r}: config.{key} must be one of {sorted(valid)}.')
   for key in ('batch_size', 'eval_batch_size', 'num_epochs', 'steps_per_dispatch',
-              'log_every_steps', 'shuffle_buffer_size'):
+              'log_every_steps', 'shuffle_buffer_size', 'checkpoint_every_steps',
+              'max_checkpoints_to_keep'):
     _require(isinstance(config[key], int) and config[key] >= 1,
              f'config.{key}={config[key]!r} is invalid: it must be an integer >= 1.')
   num_images = config.num_misclassified_images

@@ -42,12 +42,12 @@ def open_source(config: ml_collections.ConfigDict) -> tuple[input_pipeline.Datas
 
 
 def train_batches(split: input_pipeline.Split, config: ml_collections.ConfigDict,
-                  start_epoch: int = 0) -> Iterator[input_pipeline.Batch]:
+                  start_epoch: int = 0, start_step: int = 0) -> Iterator[input_pipeline.Batch]:
   """Training chunks from `config.input_backend`: tf.data, or a torch DataLoader."""
   if config.input_backend == 'torch':
     import torch_pipeline  # pylint: disable=g-import-not-at-top  (torch is optional)
-    return torch_pipeline.train_batches(split, config, start_epoch)
-  return input_pipeline.train_batches(split, config, start_epoch)
+    return torch_pipeline.train_batches(split, config, start_epoch, start_step)
+  return input_pipeline.train_batches(split, config, start_epoch, start_step)
 
 
 def to_split(images, labels) -> input_pipeline.Split:

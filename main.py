@@ -1,5 +1,8 @@
 """Trains an NNX classifier: `python main.py --config=configs/default.py --workdir=runs/mnist`.
 
+Rerunning the command on the same workdir resumes from its latest checkpoint. `--mode=eval`
+evaluates that checkpoint; `--mode=export` writes it as a TF SavedModel to <workdir>/export.
+
 Override any config value with `--config.<key>=<value>`, e.g. `--config.learning_rate=0.05`.
 On several hosts, run the same command on each with `--coordinator_address=HOST:PORT
 --num_processes=N --process_id=I` (see README.md).
@@ -16,7 +19,10 @@ import jax
 from ml_collections import config_flags
 import tensorflow as tf
 
+import checkpointing
 import config_checks
+import eval_only
+import export
 import parallel
 import train
 
@@ -24,6 +30,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Directory for TensorBoard summaries and checkpoints.')
 config_flags.DEFINE_config_file('config', None, 'Path to a config file with get_config().',
                                 lock_config=True)
+flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'export'],
+                  'train (resuming from the latest checkpoint), eval (the latest checkpoint) or '
+                  'export (the latest checkpoint as a TF SavedModel).')
 flags.mark_flags_as_required(['config', 'workdir'])
 flags.DEFINE_string('coordinator_address', None,
                     'HOST:PORT of process 0, for a multi-process run (jax.distributed).')
@@ -42,10 +51,17 @@ def main(argv):
   tf.config.set_visible_devices([], 'GPU')
   logging.info('JAX process %d of %d, local devices: %s', jax.process_index(),
                jax.process_count(), jax.local_devices())
+  run = {'train': train.train_and_evaluate, 'eval': eval_only.evaluate_checkpoint,
+         'export': export.export_saved_model}[FLAGS.mode]
   try:
-    train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    run(FLAGS.config, FLAGS.workdir)
   except config_checks.ConfigError as error:
     sys.exit(f'Config error: {error}')
+  except checkpointing.NonFiniteError as error:
+    sys.exit(f'Training halted: {error}')
+  except checkpointing.Interrupted as error:
+    logging.warning('%s', error)
+    sys.exit(128 + error.signum)  # The shell convention for "stopped by this signal".
 
 
 if __name__ == '__main__':

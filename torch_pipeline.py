@@ -40,13 +40,15 @@ def numpy_collate(batch: list[input_pipeline.Batch]) -> input_pipeline.Batch:
 
 
 def train_batches(split: input_pipeline.Split, config: ml_collections.ConfigDict,
-                  start_epoch: int = 0) -> Iterator[input_pipeline.Batch]:
-  """Yields chunks of training batches from `start_epoch` to the last epoch."""
+                  start_epoch: int = 0, start_step: int = 0) -> Iterator[input_pipeline.Batch]:
+  """Yields chunks of training batches from batch `start_step` of `start_epoch` to the end."""
   examples = _Examples(split)
   for epoch in range(start_epoch, config.num_epochs):
     generator = torch.Generator().manual_seed(input_pipeline.epoch_seed(config.seed, epoch))
     batches = iter(torch_data.DataLoader(examples, batch_size=config.batch_size, shuffle=True,
                                          drop_last=True, generator=generator,
                                          collate_fn=numpy_collate))
+    if epoch == start_epoch:  # Skips the batches already trained on, keeping the same order.
+      batches = itertools.islice(batches, start_step, None)
     while chunk := list(itertools.islice(batches, config.steps_per_dispatch)):
       yield jax.tree.map(lambda *steps: np.stack(steps), *chunk)

@@ -14,6 +14,7 @@ import ml_collections
 import numpy as np
 import optax
 
+import checkpointing
 import config_checks
 import data_sources
 import input_pipeline
@@ -121,9 +122,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                                             msg=f'{config.model} parameters')
   schedule = optimizers.create_learning_rate_schedule(config, steps_per_epoch)
   optimizer = nnx.Optimizer(model, optimizers.create_optimizer(config, schedule), wrt=nnx.Param)
+  checkpoints = checkpointing.Checkpointer(workdir, config)
+  # Window (since the last train-metrics write) and epoch metrics continue where they stopped.
+  step, (window_metrics, epoch_metrics) = checkpoints.restore_training(
+      model, optimizer, (Metrics.empty(), Metrics.empty()), steps_per_epoch)
 
   writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
-  summaries.write_config(writer, workdir, config)
+  if not step:  # A resumed run wrote its config already.
+    summaries.write_config(writer, workdir, config)
   # Called once per dispatch, so it triggers on time and at every epoch end (always the end of
   # a dispatch), not every N steps, which would need a call after every single step.
   report_progress = periodic_actions.ReportProgress(
@@ -132,12 +138,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   logging.info('Training for %d epochs of %d steps (batch %d).', config.num_epochs,
                steps_per_epoch, config.batch_size)
-  step = 0
-  window_metrics = Metrics.empty()  # Since the last train-metrics write.
-  epoch_metrics = Metrics.empty()  # Since the start of the epoch.
   epoch_start = time.time()
   final_metrics = {}
-  for batches in data_sources.train_batches(train_split, parallel.process_config(config)):
+  for batches in checkpoints.interruptible(data_sources.train_batches(
+      train_split, parallel.process_config(config), *divmod(step, steps_per_epoch))):
     batches = parallel.shard(batches, mesh, axis=1)
     window_metrics = train_steps(model, optimizer, window_metrics, batches)
     first_step, step = step + 1, step + len(batches['label'])
@@ -149,6 +153,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       epoch_metrics = epoch_metrics.merge(window_metrics)
       writer.write_scalars(step, {**summarize(window_metrics, 'train'),
                                   'learning_rate': float(schedule(step - 1))})
+      checkpoints.check_finite(step, window_metrics)
       window_metrics = Metrics.empty()
 
     if end_of_epoch:
@@ -166,6 +171,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           final_metrics['eval_num_examples'], time.time() - epoch_start)
       epoch_metrics = Metrics.empty()
       epoch_start = time.time()
+    checkpoints.maybe_save(first_step, step, num_steps, model, optimizer,
+                           (window_metrics, epoch_metrics), steps_per_epoch)
 
   writer.flush()
   return final_metrics

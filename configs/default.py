@@ -38,4 +38,8 @@ def get_config() -> ml_collections.ConfigDict:
   # Misclassified eval examples drawn in a TensorBoard grid (with a confusion matrix) at each
   # eval; 0 = no images.
   config.num_misclassified_images = 36
+  # Checkpoints (<workdir>/checkpoints; also saved at the end and on SIGTERM/SIGINT).
+  config.checkpoint_every_steps = 500  # A checkpoint is saved every this many steps.
+  config.max_checkpoints_to_keep = 3  # Older checkpoints are deleted.
+  config.halt_on_nonfinite = True  # Stop with an error, saving nothing, when the loss is NaN/Inf.
   return config

@@ -26,6 +26,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ('eval_batch_size', 0, r'config.eval_batch_size=0 is invalid'),
     ('num_misclassified_images', -1, r'config.num_misclassified_images=-1 is invalid: it must '
      r'be an integer >= 0'),
+    ('checkpoint_every_steps', 0, r'config.checkpoint_every_steps=0 is invalid: it must be an '
+                                  r'integer >= 1'),
+    ('max_checkpoints_to_keep', 0, r'config.max_checkpoints_to_keep=0 is invalid'),
 ])
 def test_bad_values_fail_before_data_is_read(tmp_path, key, value, message):
   config = default.get_config()

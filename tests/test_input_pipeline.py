@@ -6,6 +6,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+import data_sources
 import input_pipeline
 from configs import default
 
@@ -70,6 +71,18 @@ def test_start_epoch_continues_the_same_order():
   resumed = np.concatenate([chunk['label'].reshape(-1) for chunk in
                             input_pipeline.train_batches(split, _config(num_epochs=3), 1)])
   np.testing.assert_array_equal(resumed, full[1:].reshape(-1))
+
+
+@pytest.mark.parametrize('backend', data_sources.INPUT_BACKENDS)
+def test_mid_epoch_start_step_gives_the_remaining_chunks(backend):
+  split = _split(100)
+  config = _config(num_epochs=3, steps_per_dispatch=3, input_backend=backend)
+  full = list(data_sources.train_batches(split, config))  # 4 chunks of 3 steps per epoch.
+  resumed = list(data_sources.train_batches(split, config, start_epoch=1, start_step=6))
+  assert len(resumed) == len(full) - 6
+  for got, want in zip(resumed, full[6:]):
+    np.testing.assert_array_equal(got['label'], want['label'])
+    np.testing.assert_array_equal(got['image'], want['image'])
 
 
 def test_eval_counts_every_example_exactly_once():

@@ -1,0 +1,35 @@
+"""Eval-only mode: scores the latest checkpoint of a workdir on the whole eval split."""
+
+import os
+
+from absl import logging
+from clu import metric_writers
+import jax
+import ml_collections
+
+import checkpointing
+import config_checks
+import data_sources
+import parallel
+import train
+
+EVAL_DIR = 'eval_only'  # TensorBoard run (a subdirectory of the workdir) of eval-only results.
+
+
+def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+  """Evaluates the latest checkpoint on `config.eval_split`; prints and writes the metrics."""
+  config_checks.check_config(config)
+  mesh = parallel.create_mesh()
+  jax.set_mesh(mesh)  # As in training: the model is replicated, eval batches are sharded.
+  info, load_split = data_sources.open_source(config)
+  model, step = checkpointing.load_latest_model(config, workdir, info)
+  logging.info('Evaluating the checkpoint at step %d on %s %r.', step, config.dataset,
+               config.eval_split)
+  metrics, _ = train.evaluate(model, parallel.eval_batches(load_split, info.num_eval_examples, config, mesh))
+  writer = metric_writers.create_default_writer(os.path.join(workdir, EVAL_DIR),
+                                                just_logging=jax.process_index() > 0)
+  writer.write_scalars(step, metrics)
+  writer.flush()
+  print(f'Checkpoint at step {step}, {config.dataset} {config.eval_split!r}: ' +
+        ' '.join(f'{name}={value:.4f}' for name, value in metrics.items()))
+  return metrics
