@@ -10,6 +10,7 @@ On several hosts, run the same command on each with `--coordinator_address=HOST:
 
 import sys
 
+import allocator  # pylint: disable=unused-import  (first: before any thread allocates)
 import triton_before_tf  # pylint: disable=unused-import  (must precede tensorflow)
 
 from absl import app

@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 
+import allocator  # pylint: disable=unused-import  (first: before any thread allocates)
 import triton_before_tf  # pylint: disable=unused-import  (must precede tensorflow)
 
 SHARED_MNIST = pathlib.Path(__file__).resolve().parents[2] / 'shared' / 'datasets' / 'mnist'

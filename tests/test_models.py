@@ -63,13 +63,58 @@ def test_unknown_model_lists_valid_names():
     _create('resnet')
 
 
-def test_dropout_drops_its_rate_and_keeps_the_mean():
-  dropout = models.Dropout(rate=0.025, rngs=nnx.Rngs(0))
-  ones = jnp.ones((1001, 999))  # An odd size: the mask is cut from pairs of 16-bit draws.
+@pytest.mark.parametrize('rate', [0.025, 0.5])
+def test_dropout_drops_its_rate_and_keeps_the_mean(rate):
+  dropout = models.Dropout(rate=rate, rngs=nnx.Rngs(0))
+  ones = jnp.ones((1001, 999))
   first, second = dropout(ones), dropout(ones)
-  assert float((first == 0).mean()) == pytest.approx(0.025, abs=1e-3)
-  assert float(first.mean()) == pytest.approx(1.0, abs=2e-3)
-  np.testing.assert_allclose(np.unique(first), [0.0, 1 / 0.975], rtol=1e-6)
-  assert not jnp.array_equal(first, second)
+  dropped = first == 0
+  # 4.5 standard deviations of a binomial count of 1M draws.
+  assert float(dropped.mean()) == pytest.approx(rate, abs=4.5 * np.sqrt(rate * (1 - rate) / 1e6))
+  np.testing.assert_allclose(np.unique(first), [0.0, 1 / (1 - rate)], rtol=1e-6)
+  # Masks of successive calls, and of neighbouring rows and columns, look independent.
+  both = float((dropped & (second == 0)).mean())
+  assert both == pytest.approx(rate**2, abs=4.5 * np.sqrt(rate**2 / 1e6))
+  for a, b in [(dropped[1:], dropped[:-1]), (dropped[:, 1:], dropped[:, :-1])]:
+    assert float((a & b).mean()) == pytest.approx(rate**2, abs=4.5 * np.sqrt(rate**2 / 1e6))
   dropout.eval()
   assert jnp.array_equal(dropout(ones), ones)
+
+
+def test_dropout_masks_repeat_with_the_seed():
+  ones = jnp.ones((64, 64))
+  first = models.Dropout(rate=0.5, rngs=nnx.Rngs(3))(ones)
+  np.testing.assert_array_equal(models.Dropout(rate=0.5, rngs=nnx.Rngs(3))(ones), first)
+  assert not jnp.array_equal(models.Dropout(rate=0.5, rngs=nnx.Rngs(4))(ones), first)
+
+
+@pytest.mark.parametrize('kernel_size', [(3, 3), (2, 2), (5, 3)])
+@pytest.mark.parametrize('channels', [1, 4])
+def test_conv_same_and_its_gradients_match_lax_conv(kernel_size, channels):
+  x = jax.random.normal(jax.random.key(0), (3, 9, 8, channels))
+  kernel = jax.random.normal(jax.random.key(1), (*kernel_size, channels, 5))
+  dy = jax.random.normal(jax.random.key(2), (3, 9, 8, 5))
+  lax_conv = lambda x, k: jax.lax.conv_general_dilated(
+      x, k, (1, 1), 'SAME', dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+  y, vjp = jax.vjp(models.conv_same, x, kernel)
+  y_ref, vjp_ref = jax.vjp(lax_conv, x, kernel)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  for grad, grad_ref in zip(vjp(dy), vjp_ref(dy)):
+    np.testing.assert_allclose(grad, grad_ref, rtol=1e-5, atol=1e-4)
+
+
+def test_cnn_layers_match_their_plain_flax_counterparts():
+  model = _create('cnn')
+  x = jax.random.normal(jax.random.key(0), (4, 28, 28, 1))
+  plain_conv = nnx.Conv(1, 32, kernel_size=(3, 3), rngs=nnx.Rngs(0))
+  nnx.update(plain_conv, nnx.state(model.conv1))
+  np.testing.assert_allclose(model.conv1(x), plain_conv(x), rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match='strides'):
+    models._nnx_conv_same(x, model.conv1.kernel[...], (2, 2), 'SAME', lhs_dilation=(1, 1),
+                          rhs_dilation=(1, 1), dimension_numbers=None, feature_group_count=1)
+  for shape in [(4, 28, 28, 32), (2, 7, 9, 3)]:  # Odd sizes: 'VALID' drops the last row/column.
+    y = jax.random.normal(jax.random.key(1), shape)
+    pool = lambda y: nnx.avg_pool(y, window_shape=(2, 2), strides=(2, 2))
+    np.testing.assert_allclose(models._avg_pool(y), pool(y), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda y: (models._avg_pool(y) ** 2).sum())(y),
+                               jax.grad(lambda y: (pool(y) ** 2).sum())(y), rtol=1e-5, atol=1e-6)
