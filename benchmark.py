@@ -2,23 +2,32 @@
 
     python benchmark.py --config=configs/default.py --reference --time_to_accuracy
 
-In-process, for the project (the real input pipeline, model and `train.train_steps`) and, with
---reference, for the official Flax NNX MNIST example's loop (`reference_baseline.py`):
-compile time, XLA's FLOPs per example, steady-state training examples/s (compile excluded),
-where a step's time goes (waiting for the input pipeline / Python dispatch / device compute,
-each timed with a sync after every step), eval examples/s, and achieved FLOP/s as a fraction of a
-2048x2048 matmul measured in the same run. With --time_to_accuracy, each also trains for real in
-a subprocess, timed from process start to the first epoch whose eval accuracy reaches
---target_accuracy (the child is stopped there), with the child's peak RSS.
-Prints a table and writes everything to --json.
+Each measurement runs in a fresh child process, set up as its program runs by itself: the
+project as `main.py` does (`allocator` first), the reference (the official Flax NNX MNIST
+example's loop, `reference_baseline.py`) as published. With --reference, a third child runs the
+reference with the project's allocator setting, to show what that setting alone gives it.
+The children alternate for --rounds rounds, so that a machine's speed drifting over the run
+(shared cloud cores do) hits all of them alike; the table shows each figure's median.
+
+A child measures: compile time, XLA's FLOPs per example, steady-state training examples/s
+(compile excluded), where a step's time goes (waiting for the input pipeline / Python dispatch /
+device compute, each timed with a sync after every step), eval examples/s, a 2048x2048 matmul's
+FLOP/s (the peak that achieved FLOP/s is a fraction of) and its peak RSS. With
+--time_to_accuracy, `main.py` and the reference also train for real, each timed from process
+start to the first epoch whose eval accuracy reaches --target_accuracy (then stopped).
+Prints a table and writes everything, every round included, to --json.
 """
+
+import sys
+
+if __name__ == '__main__' and '--keep_freed_memory' in sys.argv:
+  import allocator  # pylint: disable=unused-import  (before any thread allocates, as in main.py)
 
 import json
 import os
 import re
 import resource
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -33,21 +42,28 @@ from ml_collections import config_flags
 import numpy as np
 import tensorflow as tf
 
-import input_pipeline
-import models
-import optimizers
+import data_sources
+import parallel
 import reference_baseline
 import train
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config to benchmark.')
 flags.DEFINE_integer('steps', 100, 'Training steps timed for throughput and for the breakdown.')
+flags.DEFINE_integer('rounds', 3, 'Alternating rounds of measurements; figures are medians.')
 flags.DEFINE_bool('reference', False, 'Also measure the reference example, side by side.')
 flags.DEFINE_bool('time_to_accuracy', False, 'Also train for real until --target_accuracy.')
 flags.DEFINE_float('target_accuracy', 0.99, 'Eval accuracy that ends a time-to-accuracy run.')
 flags.DEFINE_string('json', 'benchmark.json', 'Where to write the figures.')
+# Internal: what a child process measures, and whether it sets up malloc as main.py does.
+flags.DEFINE_enum('measure', None, ['project', 'reference'], 'Measure one program, in-process.')
+flags.DEFINE_bool('keep_freed_memory', False, 'Import `allocator` first, as main.py does.')
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
+# Child runs: (name in the table, program measured, with the project's allocator setting).
+_PROJECT = ('project', 'project', True)
+_REFERENCE_RUNS = [('reference', 'reference', False),
+                   ('reference_kept_memory', 'reference', True)]
 
 
 def best_time(fn: Callable[[], object], repeats: int = 5) -> float:
@@ -69,7 +85,7 @@ def matmul_flops_per_sec(size: int = 2048) -> float:
 
 def measure_training(step: Callable[[dict], object], batches: Iterator[dict],
                      examples_per_call: int, num_calls: int) -> dict[str, float]:
-  """Throughput of `step` over `batches` and the split of one call's time.
+  """Throughput of `step` over `batches` and the split of one train step's time.
 
   Throughput runs asynchronously, as training does. The breakdown then syncs after every call:
   input = waiting for the next batch, dispatch = until `step` returns, compute = until the
@@ -107,16 +123,16 @@ def flops_per_example(jitted, *args, examples: int) -> tuple[float, float]:
 
 
 def measure_project(config) -> dict[str, float]:
-  builder = input_pipeline.prepared_builder(config)
-  info = input_pipeline.get_info(builder, config)
-  split = input_pipeline.load_split(builder, config.train_split)
-  eval_batches = input_pipeline.eval_batches(
-      input_pipeline.load_split(builder, config.eval_split), config.eval_batch_size)
-  model = models.create_model(config, info.image_shape, info.num_classes, nnx.Rngs(config.seed))
-  schedule = optimizers.create_learning_rate_schedule(config, 1000)
-  optimizer = nnx.Optimizer(model, optimizers.create_optimizer(config, schedule), wrt=nnx.Param)
+  """The project's figures, through the same data, model and step code as `train`."""
+  mesh = parallel.create_mesh()
+  jax.set_mesh(mesh)
+  info, load_split = data_sources.open_source(config)
+  eval_batches = parallel.eval_batches(load_split, info.num_eval_examples, config, mesh)
+  model, optimizer, _ = train.create_model_and_optimizer(
+      config, info, info.num_train_examples // config.batch_size)
   metrics = train.Metrics.empty()
-  chunks = input_pipeline.train_batches(split, config)
+  chunks = (parallel.shard(chunk, mesh, axis=1) for chunk in data_sources.train_batches(
+      load_split(config.train_split), config))
   first = next(chunks)
   examples_per_call = first['label'].size
   compile_s, flops = flops_per_example(train.train_steps, model, optimizer, metrics, first,
@@ -131,9 +147,8 @@ def measure_project(config) -> dict[str, float]:
                              max(1, FLAGS.steps // config.steps_per_dispatch))
   train.evaluate(model, eval_batches)  # Compile.
   eval_s = best_time(lambda: train.evaluate(model, eval_batches), repeats=3)
-  num_eval = sum(int(batch['mask'].sum()) for batch in eval_batches)
   return {'compile_s': compile_s, 'flops_per_example': flops, **results,
-          'eval_examples_per_sec': num_eval / eval_s}
+          'eval_examples_per_sec': info.num_eval_examples / eval_s}
 
 
 def measure_reference(config) -> dict[str, float]:
@@ -154,6 +169,28 @@ def measure_reference(config) -> dict[str, float]:
   num_eval = sum(len(batch['label']) for batch in test_ds.as_numpy_iterator())
   return {'compile_s': compile_s, 'flops_per_example': flops, **results,
           'eval_examples_per_sec': num_eval / eval_s}
+
+
+def measure(program: str) -> dict[str, float]:
+  """All in-process figures of `program` ('project' or 'reference')."""
+  config = FLAGS.config
+  peak = matmul_flops_per_sec()
+  figures = (measure_project if program == 'project' else measure_reference)(config)
+  achieved = figures['flops_per_example'] * figures['train_examples_per_sec']
+  return {**figures, 'matmul_gflops': peak / 1e9, 'achieved_gflops': achieved / 1e9,
+          'fraction_of_matmul_peak': achieved / peak,
+          'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def run_child(program: str, keep_freed_memory: bool) -> dict[str, float]:
+  """`measure(program)` in a fresh process, with this process's flags."""
+  with tempfile.NamedTemporaryFile(suffix='.json') as out:
+    flags_passed = [arg for arg in sys.argv[1:] if not arg.startswith('--json')]
+    command = [sys.executable, __file__, *flags_passed, f'--measure={program}',
+               f'--json={out.name}'] + (['--keep_freed_memory'] if keep_freed_memory else [])
+    subprocess.run(command, check=True)
+    with open(out.name) as f:
+      return json.load(f)
 
 
 def time_to_accuracy(command: list[str], pattern: str) -> dict[str, float]:
@@ -179,49 +216,61 @@ def time_to_accuracy(command: list[str], pattern: str) -> dict[str, float]:
   _, status, usage = os.wait4(child.pid, 0)
   if np.isnan(result['seconds_to_target']) and status != 0:
     raise RuntimeError(f'{command} failed with status {status}.')
-  return {**result, 'peak_rss_mb': usage.ru_maxrss / 1024}
+  return {**result, 'peak_rss_mb_training': usage.ru_maxrss / 1024}
+
+
+def time_to_accuracy_runs(config) -> dict[str, dict[str, float]]:
+  data_dir = [f'--config.data_dir={config.data_dir}'] if config.data_dir else []
+  with tempfile.TemporaryDirectory() as workdir:
+    runs = {'project': time_to_accuracy(
+        [sys.executable, 'main.py', f'--config={FLAGS["config"].config_filename}',
+         f'--workdir={workdir}', *data_dir], r'epoch (\d+)/\d+: .*eval_accuracy=([0-9.]+)')}
+  if FLAGS.reference:
+    data_dir = [f'--data_dir={config.data_dir}'] if config.data_dir else []
+    runs['reference'] = time_to_accuracy(
+        [sys.executable, 'reference_baseline.py', *data_dir],
+        r'epoch (\d+) eval_accuracy ([0-9.]+)')
+  return runs
 
 
 def main(argv):
   del argv
   tf.config.set_visible_devices([], 'GPU')
-  config = FLAGS.config
-  peak = matmul_flops_per_sec()
-  logging.info('matmul peak: %.1f GFLOP/s on %s', peak / 1e9, jax.devices())
-  runs = {'project': measure_project(config)}
-  if FLAGS.reference:
-    runs['reference'] = measure_reference(config)
-  for figures in runs.values():
-    achieved = figures['flops_per_example'] * figures['train_examples_per_sec']
-    figures['achieved_gflops'] = achieved / 1e9
-    figures['fraction_of_matmul_peak'] = achieved / peak
+  if FLAGS.measure:
+    with open(FLAGS.json, 'w') as f:
+      json.dump(measure(FLAGS.measure), f)
+    return
+
+  children = [_PROJECT] + (_REFERENCE_RUNS if FLAGS.reference else [])
+  rounds = {name: [] for name, _, _ in children}
+  for round_index in range(FLAGS.rounds):
+    for name, program, keep_freed_memory in children:
+      rounds[name].append(run_child(program, keep_freed_memory))
+      logging.info('round %d %s: %.0f training examples/s', round_index + 1, name,
+                   rounds[name][-1]['train_examples_per_sec'])
+  runs = {name: {key: float(np.median([figures[key] for figures in measured]))
+                 for key in measured[0]} for name, measured in rounds.items()}
   if FLAGS.time_to_accuracy:
-    data_dir = [f'--config.data_dir={config.data_dir}'] if config.data_dir else []
-    with tempfile.TemporaryDirectory() as workdir:
-      runs['project'].update(time_to_accuracy(
-          [sys.executable, 'main.py', f'--config={FLAGS["config"].config_filename}',
-           f'--workdir={workdir}', *data_dir],
-          r'epoch (\d+)/\d+: .*eval_accuracy=([0-9.]+)'))
-    if FLAGS.reference:
-      data_dir = [f'--data_dir={config.data_dir}'] if config.data_dir else []
-      runs['reference'].update(time_to_accuracy(
-          [sys.executable, 'reference_baseline.py', *data_dir],
-          r'epoch (\d+) eval_accuracy ([0-9.]+)'))
-  runs['project']['peak_rss_mb_benchmark'] = resource.getrusage(
-      resource.RUSAGE_SELF).ru_maxrss / 1024
+    for name, figures in time_to_accuracy_runs(FLAGS.config).items():
+      runs[name].update(figures)
+
   report = {'device': str(jax.devices()[0].device_kind), 'num_devices': jax.device_count(),
-            'cpu_count': os.cpu_count(), 'matmul_gflops': peak / 1e9, 'config': str(
-                FLAGS['config'].config_filename), 'steps': FLAGS.steps, 'runs': runs}
+            'cpu_count': os.cpu_count(), 'config': str(FLAGS['config'].config_filename),
+            'steps': FLAGS.steps, 'rounds': FLAGS.rounds, 'runs': runs, 'every_round': rounds}
   names = sorted({key for figures in runs.values() for key in figures})
-  print(f'\n{"figure":32s}' + ''.join(f'{name:>14s}' for name in runs))
+  print(f'\n{"median of " + str(FLAGS.rounds) + " rounds":32s}' +
+        ''.join(f'{name:>22s}' for name in runs))
   for key in names:
-    print(f'{key:32s}' + ''.join(f'{runs[name].get(key, float("nan")):14.4g}' for name in runs))
-  if 'reference' in runs:
-    speedup = (runs['project']['train_examples_per_sec'] /
-               runs['reference']['train_examples_per_sec'])
-    report['train_speedup_vs_reference'] = speedup
-    print(f'{"train speed-up vs reference":32s}{speedup:14.2f}x')
-  print(f'matmul peak {peak / 1e9:.1f} GFLOP/s on {report["device"]}')
+    print(f'{key:32s}' + ''.join(f'{runs[name].get(key, float("nan")):22.4g}' for name in runs))
+  if FLAGS.reference:
+    # Per round, so that drift between rounds cancels out of each ratio.
+    speedups = [project['train_examples_per_sec'] / reference['train_examples_per_sec']
+                for project, reference in zip(rounds['project'], rounds['reference'])]
+    report['train_speedup_vs_reference'] = float(np.median(speedups))
+    report['train_speedup_vs_reference_every_round'] = speedups
+    print(f'{"train speed-up vs reference":32s}{np.median(speedups):22.2f}x  (median of '
+          + ', '.join(f'{s:.2f}' for s in speedups) + ')')
+  print(f'on {report["device"]} x{report["num_devices"]}, {report["cpu_count"]} CPU cores')
   with open(FLAGS.json, 'w') as f:
     json.dump(report, f, indent=2)
 

@@ -97,6 +97,16 @@ def summarize(metrics: Metrics, prefix: str) -> dict[str, float]:
   return values
 
 
+def create_model_and_optimizer(
+    config: ml_collections.ConfigDict, info: input_pipeline.DatasetInfo, steps_per_epoch: int,
+) -> tuple[nnx.Module, nnx.Optimizer, optax.Schedule]:
+  """The model, its optimizer and the optimizer's learning-rate schedule, as `config` says."""
+  model = models.create_model(config, info.image_shape, info.num_classes, nnx.Rngs(config.seed))
+  schedule = optimizers.create_learning_rate_schedule(config, steps_per_epoch)
+  optimizer = nnx.Optimizer(model, optimizers.create_optimizer(config, schedule), wrt=nnx.Param)
+  return model, optimizer, schedule
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Trains `config.model` on `config.dataset`, evaluating after every epoch.
 
@@ -117,11 +127,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   steps_per_epoch = info.num_train_examples // config.batch_size
   num_steps = steps_per_epoch * config.num_epochs
 
-  model = models.create_model(config, info.image_shape, info.num_classes, nnx.Rngs(config.seed))
+  model, optimizer, schedule = create_model_and_optimizer(config, info, steps_per_epoch)
   parameter_overview.log_parameter_overview(nnx.state(model, nnx.Param).to_pure_dict(),
                                             msg=f'{config.model} parameters')
-  schedule = optimizers.create_learning_rate_schedule(config, steps_per_epoch)
-  optimizer = nnx.Optimizer(model, optimizers.create_optimizer(config, schedule), wrt=nnx.Param)
   checkpoints = checkpointing.Checkpointer(workdir, config)
   # Window (since the last train-metrics write) and epoch metrics continue where they stopped.
   step, (window_metrics, epoch_metrics) = checkpoints.restore_training(
