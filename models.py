@@ -63,16 +63,38 @@ def _patches(x: jax.Array, kernel_shape: tuple[int, ...]) -> jax.Array:
       [padded[:, i:i + h, j:j + w] for i in range(kh) for j in range(kw)], axis=-1)
 
 
+@jax.custom_vjp
 def conv_same(x: jax.Array, kernel: jax.Array) -> jax.Array:
-  """Stride-1 'SAME' NHWC convolution as one matmul over each pixel's neighbourhood (im2col).
+  """Stride-1 'SAME' NHWC convolution; in training, one matmul over pixel neighbourhoods.
 
-  XLA:CPU's own convolutions reach ~60 GFLOP/s forward and ~30 GFLOP/s for the kernel gradient
-  on the CNN's second layer here; as a matmul, the forward pass and both gradients (which
-  autodiff derives: two matmuls and the transpose of `_patches`) run at matmul speed, for the
-  price of the (N, H, W, kh * kw * C) patches in memory.
+  Under differentiation this runs as im2col: the forward pass is patches(x) @ kernel, and the
+  backward pass two matmuls (patches^T @ dy for the kernel, dy @ kernel^T for the patches) and
+  the transpose of `_patches` back to the input. XLA:CPU's own convolutions reach ~60 GFLOP/s
+  forward and ~30 GFLOP/s for the kernel gradient on the CNN's second layer here, the matmuls
+  ~110. Without differentiation (eval), XLA's convolution runs: it needs no patches in memory,
+  which at eval batch sizes are hundreds of MB.
   """
-  patches = _patches(x, kernel.shape).reshape(-1, kernel.size // kernel.shape[-1])
-  return (patches @ kernel.reshape(-1, kernel.shape[-1])).reshape(*x.shape[:3], -1)
+  return lax.conv_general_dilated(x, kernel, (1, 1), 'SAME',
+                                  dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+
+
+def _conv_same_fwd(x, kernel):
+  patches = _patches(x, kernel.shape)
+  y = patches.reshape(-1, patches.shape[-1]) @ kernel.reshape(-1, kernel.shape[-1])
+  return y.reshape(*x.shape[:3], -1), (patches, kernel)
+
+
+def _conv_same_bwd(residuals, dy):
+  patches, kernel = residuals
+  dy = dy.reshape(-1, kernel.shape[-1])
+  dkernel = (dy.T @ patches.reshape(dy.shape[0], -1)).T  # (out, in) order: the cheaper matmul.
+  dpatches = (dy @ kernel.reshape(-1, kernel.shape[-1]).T).reshape(patches.shape)
+  x_shape = jax.ShapeDtypeStruct((*patches.shape[:3], kernel.shape[2]), patches.dtype)
+  dx, = jax.linear_transpose(lambda x: _patches(x, kernel.shape), x_shape)(dpatches)
+  return dx, dkernel.reshape(kernel.shape)
+
+
+conv_same.defvjp(_conv_same_fwd, _conv_same_bwd)
 
 
 def _nnx_conv_same(lhs, rhs, window_strides, padding, *, lhs_dilation, rhs_dilation,
@@ -87,13 +109,42 @@ def _nnx_conv_same(lhs, rhs, window_strides, padding, *, lhs_dilation, rhs_dilat
   return conv_same(lhs, rhs)
 
 
+def _conv_batch_norm(conv: nnx.Conv, batch_norm: nnx.BatchNorm, x: jax.Array) -> jax.Array:
+  """`batch_norm(conv(x))` for a 'SAME' stride-1 conv, as one conv with BatchNorm folded in.
+
+  The same function, parameters and running statistics as the two layers, computed without
+  passes over the conv's output: that output is linear in the patches of `x`, so in training
+  its batch mean and variance per channel follow from the patches' mean (kh * kw * C numbers)
+  and covariance (a small matrix), which for the CNN's first layer (1 input channel, 32 output
+  channels) cost far less than two reductions over its 128x28x28x32 output. The normalisation
+  then folds into the kernel and bias.
+  """
+  kernel = conv.kernel[...]
+  if batch_norm.use_running_average:
+    mean, var = batch_norm.mean[...], batch_norm.var[...]
+  else:
+    patches = _patches(x, kernel.shape).reshape(-1, kernel.size // kernel.shape[-1])
+    patch_mean = patches.mean(axis=0)
+    centered = patches - patch_mean
+    patch_covariance = centered.T @ centered / patches.shape[0]
+    flat_kernel = kernel.reshape(patches.shape[-1], -1)
+    mean = patch_mean @ flat_kernel + conv.bias[...]
+    # Biased, as BatchNorm's: the variance of each output channel, w^T covariance w.
+    var = jnp.einsum('ij,ic,jc->c', patch_covariance, flat_kernel, flat_kernel)
+    momentum = batch_norm.momentum
+    batch_norm.mean[...] = momentum * batch_norm.mean[...] + (1 - momentum) * mean
+    batch_norm.var[...] = momentum * batch_norm.var[...] + (1 - momentum) * var
+  scale = batch_norm.scale[...] * lax.rsqrt(var + batch_norm.epsilon)
+  return conv_same(x, kernel * scale) + ((conv.bias[...] - mean) * scale + batch_norm.bias[...])
+
+
 class CNN(nnx.Module):
   """The reference MNIST CNN: two conv blocks with BatchNorm, then two dense layers."""
 
   def __init__(self, image_shape: tuple[int, ...], num_classes: int, *, rngs: nnx.Rngs):
     height, width, channels = image_shape
-    self.conv1 = nnx.Conv(channels, 32, kernel_size=(3, 3), conv_general_dilated=_nnx_conv_same,
-                          rngs=rngs)
+    # Applied together, by `_conv_batch_norm`.
+    self.conv1 = nnx.Conv(channels, 32, kernel_size=(3, 3), rngs=rngs)
     self.batch_norm1 = nnx.BatchNorm(32, rngs=rngs)
     self.dropout1 = Dropout(rate=_DROPOUT_RATE, rngs=rngs)
     self.conv2 = nnx.Conv(32, 64, kernel_size=(3, 3), conv_general_dilated=_nnx_conv_same,
@@ -106,7 +157,8 @@ class CNN(nnx.Module):
     self.linear2 = nnx.Linear(256, num_classes, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    x = _avg_pool(nnx.relu(self.dropout1(self.batch_norm1(self.conv1(x)))))
+    x = _conv_batch_norm(self.conv1, self.batch_norm1, x)
+    x = _avg_pool(nnx.relu(self.dropout1(x)))
     x = _avg_pool(nnx.relu(self.batch_norm2(self.conv2(x))))
     x = x.reshape(x.shape[0], -1)
     x = nnx.relu(self.dropout2(self.linear1(x)))

@@ -105,12 +105,12 @@ def test_conv_same_and_its_gradients_match_lax_conv(kernel_size, channels):
 
 def test_cnn_layers_match_their_plain_flax_counterparts():
   model = _create('cnn')
-  x = jax.random.normal(jax.random.key(0), (4, 28, 28, 1))
-  plain_conv = nnx.Conv(1, 32, kernel_size=(3, 3), rngs=nnx.Rngs(0))
-  nnx.update(plain_conv, nnx.state(model.conv1))
-  np.testing.assert_allclose(model.conv1(x), plain_conv(x), rtol=1e-5, atol=1e-5)
+  x = jax.random.normal(jax.random.key(0), (4, 14, 14, 32))
+  plain_conv = nnx.Conv(32, 64, kernel_size=(3, 3), rngs=nnx.Rngs(0))
+  nnx.update(plain_conv, nnx.state(model.conv2))
+  np.testing.assert_allclose(model.conv2(x), plain_conv(x), rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match='strides'):
-    models._nnx_conv_same(x, model.conv1.kernel[...], (2, 2), 'SAME', lhs_dilation=(1, 1),
+    models._nnx_conv_same(x, model.conv2.kernel[...], (2, 2), 'SAME', lhs_dilation=(1, 1),
                           rhs_dilation=(1, 1), dimension_numbers=None, feature_group_count=1)
   for shape in [(4, 28, 28, 32), (2, 7, 9, 3)]:  # Odd sizes: 'VALID' drops the last row/column.
     y = jax.random.normal(jax.random.key(1), shape)
@@ -118,3 +118,37 @@ def test_cnn_layers_match_their_plain_flax_counterparts():
     np.testing.assert_allclose(models._avg_pool(y), pool(y), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(jax.grad(lambda y: (models._avg_pool(y) ** 2).sum())(y),
                                jax.grad(lambda y: (pool(y) ** 2).sum())(y), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('in_features', [1, 3])
+def test_conv_batch_norm_equals_batch_norm_of_conv(in_features):
+  conv = nnx.Conv(in_features, 8, kernel_size=(3, 3), rngs=nnx.Rngs(0))
+  batch_norm = nnx.BatchNorm(8, rngs=nnx.Rngs(0))
+  # Non-trivial BatchNorm parameters and statistics, and MNIST-like inputs in [0, 1].
+  batch_norm.scale[...] = jax.random.uniform(jax.random.key(1), (8,), minval=0.5, maxval=2)
+  batch_norm.bias[...] = jax.random.normal(jax.random.key(2), (8,))
+  batch_norm.var[...] = jnp.full((8,), 2.0)
+  x = jax.random.uniform(jax.random.key(3), (16, 12, 10, in_features))
+  fused_layers = nnx.clone((conv, batch_norm))
+  plain_layers = nnx.clone((conv, batch_norm))
+
+  def loss(layers, fused):
+    conv, batch_norm = layers
+    y = models._conv_batch_norm(conv, batch_norm, x) if fused else batch_norm(conv(x))
+    return (jnp.sin(y) * jnp.arange(8)).mean(), y
+
+  (_, y), grads = nnx.value_and_grad(loss, has_aux=True)(fused_layers, True)
+  (_, y_ref), grads_ref = nnx.value_and_grad(loss, has_aux=True)(plain_layers, False)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-4)
+  for grad, grad_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+    np.testing.assert_allclose(grad, grad_ref, rtol=1e-3, atol=1e-5)
+  # The running statistics moved, and alike.
+  for fused_stat, plain_stat in zip(jax.tree.leaves(nnx.state(fused_layers, nnx.BatchStat)),
+                                    jax.tree.leaves(nnx.state(plain_layers, nnx.BatchStat))):
+    np.testing.assert_allclose(fused_stat, plain_stat, rtol=1e-5, atol=1e-6)
+  assert not np.allclose(fused_layers[1].var[...], 2.0)
+
+  for layers in (fused_layers, plain_layers):
+    layers[1].use_running_average = True
+  np.testing.assert_allclose(models._conv_batch_norm(*fused_layers, x),
+                             plain_layers[1](plain_layers[0](x)), rtol=1e-4, atol=1e-4)
