@@ -168,5 +168,8 @@ def test_two_processes_match_one_process(tfds_data_dir, tmp_path):
   assert multi['eval_num_examples'] == [(1, 10_000.0), (2, 10_000.0)]
   for tag in ('train_loss', 'train_accuracy', 'eval_loss', 'eval_accuracy'):
     assert [step for step, _ in multi[tag]] == [1, 2], tag
+    # Cross-process sums add in another order; after 2 steps (~40% accuracy) many test images
+    # sit near a decision boundary, where that may flip the argmax of an example or two.
     np.testing.assert_allclose([value for _, value in multi[tag]],
-                               [value for _, value in single[tag]], rtol=1e-5, err_msg=tag)
+                               [value for _, value in single[tag]], rtol=1e-5,
+                               atol=3e-4 if tag == 'eval_accuracy' else 0, err_msg=tag)
