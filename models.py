@@ -56,7 +56,7 @@ def _avg_pool(x: jax.Array) -> jax.Array:
 def _patches(x: jax.Array, kernel_shape: tuple[int, ...]) -> jax.Array:
   """The 'SAME'-padded kh x kw neighbourhood of every pixel: (N, H, W, kh * kw * C)."""
   kh, kw = kernel_shape[:2]
-  n, h, w, _ = x.shape
+  _, h, w, _ = x.shape
   # lax's 'SAME': kh - 1 rows of zeros in all, the extra one (for even kh) at the bottom.
   padded = jnp.pad(x, ((0, 0), ((kh - 1) // 2, kh // 2), ((kw - 1) // 2, kw // 2), (0, 0)))
   return jnp.concatenate(
