@@ -45,19 +45,26 @@ def write_config(writer: metric_writers.MetricWriter, workdir: str,
   writer.write_texts(0, {'config': '    ' + str(config).replace('\n', '\n    ')})
 
 
-def write_eval_images(writer: metric_writers.MetricWriter, step: int, predictions: np.ndarray,
-                      batches: list[input_pipeline.Batch], num_classes: int,
-                      num_misclassified: int) -> None:
-  """Writes a confusion matrix and a grid of the first `num_misclassified` eval errors.
-
-  `predictions` are those of `train.evaluate` for the real examples of `batches`, in order.
-  """
-  if num_misclassified == 0:
-    return
+def real_examples(batches: list[input_pipeline.Batch]) -> tuple[np.ndarray, np.ndarray]:
+  """The images and labels of the real (mask 1) examples of `batches`, on the host, in order."""
   masks = [parallel.to_host(batch['mask']) for batch in batches]
   images, labels = (np.concatenate([parallel.to_host(batch[key])[mask]
                                     for batch, mask in zip(batches, masks)])
                     for key in ('image', 'label'))
+  return images, labels
+
+
+def write_eval_images(writer: metric_writers.MetricWriter, step: int, predictions: np.ndarray,
+                      examples: tuple[np.ndarray, np.ndarray] | None, num_classes: int,
+                      num_misclassified: int) -> None:
+  """Writes a confusion matrix and a grid of the first `num_misclassified` eval errors.
+
+  `examples` are the `real_examples` of the eval batches (unused, and may be None, when
+  `num_misclassified` is 0); `predictions` are those of `train.evaluate` for them, in order.
+  """
+  if num_misclassified == 0:
+    return
+  images, labels = examples
   wrong = np.flatnonzero(predictions != labels)[:num_misclassified]
   pictures = {'eval_confusion_matrix': confusion_matrix_image(
       confusion_matrix(labels, predictions, num_classes))}

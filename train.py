@@ -123,6 +123,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   logging.info('Dataset: %s', info)
   train_split = load_split(parallel.process_split(config.train_split, drop_remainder=True))
   eval_batches = parallel.eval_batches(load_split, info.num_eval_examples, config, mesh)
+  # On the host once for the eval images, rather than copied back from the devices every epoch.
+  eval_examples = (summaries.real_examples(eval_batches) if config.num_misclassified_images
+                   else None)
 
   steps_per_epoch = info.num_train_examples // config.batch_size
   num_steps = steps_per_epoch * config.num_epochs
@@ -168,7 +171,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       with report_progress.timed('eval'):
         eval_metrics, predictions = evaluate(model, eval_batches)
       writer.write_scalars(step, eval_metrics)
-      summaries.write_eval_images(writer, step, predictions, eval_batches, info.num_classes,
+      summaries.write_eval_images(writer, step, predictions, eval_examples, info.num_classes,
                                   config.num_misclassified_images)
       final_metrics = {**summarize(epoch_metrics, 'train'), **eval_metrics}
       logging.info(
