@@ -19,7 +19,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_split = 'test'  # TFDS split evaluated in full after every epoch.
   config.shuffle_buffer_size = 60_000  # Examples in the shuffle buffer; >= split size = perfect shuffle.
   config.input_backend = 'tf'  # Training batches from 'tf' (tf.data) or 'torch' (DataLoader).
-  config.steps_per_dispatch = 1  # Train steps run per jit call (a lax.scan over stacked batches).
+  config.steps_per_dispatch = 1  # Train steps run per jit call (unrolled in one dispatch).
   # Model.
   config.model = 'cnn'  # 'cnn' (reference CNN) or 'mlp' (784-512-512-10 perceptron).
   # Optimisation.
