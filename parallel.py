@@ -71,8 +71,18 @@ def shard(batch: input_pipeline.Batch, mesh: jax.sharding.Mesh, axis: int = 0):
 
   `axis` is the batch axis: 1 for stacked train chunks (K, B, ...), 0 for eval batches.
   """
-  spec = P(*[None] * axis, 'data')
-  return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), batch)
+  return jax.make_array_from_process_local_data(_batch_sharding(mesh, axis), batch)
+
+
+def abstract_batch(shapes: dict[str, tuple[tuple[int, ...], np.dtype]], mesh: jax.sharding.Mesh,
+                   axis: int = 0) -> dict[str, jax.ShapeDtypeStruct]:
+  """What `shard` makes of a batch with these global (shape, dtype)s, for compiling ahead."""
+  return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=_batch_sharding(mesh, axis))
+          for name, (shape, dtype) in shapes.items()}
+
+
+def _batch_sharding(mesh: jax.sharding.Mesh, axis: int) -> NamedSharding:
+  return NamedSharding(mesh, P(*[None] * axis, 'data'))
 
 
 def to_host(array: jax.Array) -> np.ndarray:

@@ -9,16 +9,19 @@ import pytest
 import input_pipeline
 import models
 import optimizers
+import parallel
 import train
 from configs import default
+
+
+_INFO = input_pipeline.DatasetInfo(name='mnist', image_shape=(28, 28, 1), num_classes=10,
+                                   num_train_examples=3200, num_eval_examples=100)
 
 
 def _setup(**overrides):
   config = default.get_config()
   config.update(overrides)
-  model = models.create_model(config, (28, 28, 1), 10, nnx.Rngs(config.seed))
-  schedule = optimizers.create_learning_rate_schedule(config, steps_per_epoch=100)
-  optimizer = nnx.Optimizer(model, optimizers.create_optimizer(config, schedule), wrt=nnx.Param)
+  model, optimizer, _ = train.create_model_and_optimizer(config, _INFO, steps_per_epoch=100)
   return model, optimizer
 
 
@@ -33,6 +36,61 @@ def _loss_without_dropout(model, batch):
   logits = model(batch['image'][0])
   model.set_attributes(deterministic=False)
   return float(optax.softmax_cross_entropy_with_integer_labels(logits, batch['label'][0]).mean())
+
+
+def test_compiled_creation_equals_eager_creation():
+  config = default.get_config()
+  model, optimizer, schedule = train.create_model_and_optimizer(config, _INFO, 100)
+  eager_model = models.create_model(config, (28, 28, 1), 10, nnx.Rngs(config.seed))
+  eager_optimizer = nnx.Optimizer(eager_model, optimizers.create_optimizer(config, schedule),
+                                  wrt=nnx.Param)
+  compiled, eager = nnx.state((model, optimizer)), nnx.state((eager_model, eager_optimizer))
+  # XLA's lowest optimisation level may round the initialisers' float maths differently.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(_key_data(a), _key_data(b), rtol=1e-6,
+                                                       atol=1e-7), compiled, eager)
+
+
+def test_steps_compiled_ahead_are_reused_and_change_nothing():
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, duration, **kwargs: compiles.append(event)
+      if event == '/jax/core/compile/backend_compile_duration' else None)
+  # Sizes no other test uses, so that no earlier compile is in the cache.
+  config = default.get_config()
+  config.update(batch_size=24, eval_batch_size=40, steps_per_dispatch=2)
+  mesh = parallel.create_mesh()
+  batches = parallel.shard(_batches(2, batch_size=24), mesh, axis=1)
+  rng = np.random.default_rng(1)
+  split = input_pipeline.Split(images=rng.integers(0, 256, (70, 28, 28, 1), dtype=np.uint8),
+                               labels=rng.integers(0, 10, 70).astype(np.int32))
+  eval_batches = [parallel.shard(batch, mesh) for batch in input_pipeline.eval_batches(split, 40)]
+  results = []
+  with jax.set_mesh(mesh):
+    for compile_ahead in (True, False):
+      model, optimizer, _ = train.create_model_and_optimizer(config, _INFO, 100)
+      if compile_ahead:
+        compiles.clear()
+        train.compile_steps(model, optimizer, config, _INFO, mesh)
+        assert len(compiles) >= 2  # The train steps and the eval step (and eager zeros).
+        compiles.clear()
+      metrics = train.train_steps(model, optimizer, train.Metrics.empty(), batches)
+      model.eval()
+      train.eval_step(model, train.Metrics.empty(), eval_batches[0])
+      model.train()
+      if compile_ahead:
+        assert not compiles
+      eval_metrics, predictions = train.evaluate(model, eval_batches)
+      results.append((nnx.state((model, optimizer)), train.summarize(metrics, 'train'),
+                      eval_metrics, predictions))
+  ahead, plain = results
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(_key_data, ahead[0]),
+               jax.tree.map(_key_data, plain[0]))
+  assert ahead[1:3] == plain[1:3]
+  np.testing.assert_array_equal(ahead[3], plain[3])
+
+
+def _key_data(x):
+  return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
 
 
 def test_train_step_lowers_loss_on_a_fixed_batch(tfds_data_dir):
