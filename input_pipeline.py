@@ -8,6 +8,7 @@ can restart at any epoch and see the same data.
 """
 
 import dataclasses
+import functools
 import os
 import socket
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ import tensorflow_datasets as tfds
 
 Batch = dict[str, np.ndarray]
 _MAP_BLOCK = 1024  # Examples normalised per tf.data map call.
+_DECODE_BLOCK = 100  # Images decoded per tf.data map call (one graph of this many decode ops).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,10 +102,40 @@ def get_info(builder: tfds.core.DatasetBuilder, config: ml_collections.ConfigDic
   )
 
 
-def load_split(builder: tfds.core.DatasetBuilder, split: str) -> Split:
-  """Decodes a whole split into memory, in TFDS's deterministic file order."""
-  data = tfds.as_numpy(builder.as_dataset(split=split, batch_size=-1, shuffle_files=False))
-  return Split(images=data['image'], labels=data['label'].astype(np.int32))
+def load_split(builder: tfds.core.DatasetBuilder, split: tfds.typing.SplitArg) -> Split:
+  """Decodes a whole split into memory: file by file, in each file's order (TFDS's order).
+
+  TFDS's reader parses and decodes one example per tf.data call (5.6 s for MNIST's training
+  split on 2 cores, mostly per-call overhead). TFRecord files are read here instead in blocks of
+  `_DECODE_BLOCK` examples, parsed together and decoded by one graph per block (2.0 s); other
+  file formats go through TFDS's reader.
+  """
+  if builder.info.file_format != tfds.core.FileFormat.TFRECORD:
+    data = tfds.as_numpy(builder.as_dataset(split=split, batch_size=-1, shuffle_files=False))
+    return Split(images=data['image'], labels=data['label'].astype(np.int32))
+  split_info = builder.info.splits[split]
+  records = functools.reduce(tf.data.Dataset.concatenate, [
+      tf.data.TFRecordDataset(file.filename).skip(file.skip).take(file.take)
+      for file in split_info.file_instructions])
+  decode_image = builder.info.features['image'].decode_example
+  features = {'image': tf.io.FixedLenFeature([], tf.string),
+              'label': tf.io.FixedLenFeature([], tf.int64)}
+
+  def decode_block(size: int):
+    def decode(serialized: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+      example = tf.io.parse_example(serialized, features)
+      return tf.stack([decode_image(example['image'][i]) for i in range(size)]), example['label']
+    return decode
+
+  num_examples = split_info.num_examples
+  in_blocks = num_examples // _DECODE_BLOCK * _DECODE_BLOCK
+  blocks = (records.take(in_blocks).batch(_DECODE_BLOCK, drop_remainder=True)
+            .map(decode_block(_DECODE_BLOCK)))
+  if in_blocks < num_examples:
+    blocks = blocks.concatenate(
+        records.skip(in_blocks).batch(num_examples).map(decode_block(num_examples - in_blocks)))
+  images, labels = zip(*blocks.as_numpy_iterator())
+  return Split(images=np.concatenate(images), labels=np.concatenate(labels).astype(np.int32))
 
 
 def _normalize(example: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
