@@ -229,7 +229,8 @@ class Checkpointer:
 def load_latest_model(config: ml_collections.ConfigDict, workdir: str,
                       info: input_pipeline.DatasetInfo) -> tuple[nnx.Module, int]:
   """The model of the latest checkpoint in `workdir`, in eval mode, and its step."""
-  model = models.create_model(config, info.image_shape, info.num_classes, nnx.Rngs(config.seed))
+  model = models.create_compiled(lambda: models.create_model(
+      config, info.image_shape, info.num_classes, nnx.Rngs(config.seed)))
   step = Checkpointer(workdir, config).restore_model(model)
   model.eval()
   return model, step

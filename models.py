@@ -1,10 +1,15 @@
 """Flax NNX models, built from the config and the dataset's shape."""
 
+from collections.abc import Callable
+from typing import TypeVar
+
 from flax import nnx
 import jax
 from jax import lax
 import jax.numpy as jnp
 import ml_collections
+
+T = TypeVar('T')
 
 # BatchNorm's defaults (momentum 0.99) follow the reference MNIST example.
 _DROPOUT_RATE = 0.025
@@ -184,6 +189,15 @@ class MLP(nnx.Module):
 
 
 MODELS = {'cnn': CNN, 'mlp': MLP}
+
+
+def create_compiled(create: Callable[[], T]) -> T:
+  """Calls `create`, which builds NNX modules, as one XLA program at the lowest optimisation level.
+
+  Run eagerly, XLA:CPU compiles every initialiser op on its own at its full optimisation level
+  (~4 s for the CNN and its optimizer on 2 cores); as one program, which runs once, ~1 s.
+  """
+  return nnx.jit(create).lower().compile({'xla_backend_optimization_level': 0})()
 
 
 def create_model(

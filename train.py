@@ -24,9 +24,6 @@ import optimizers
 import parallel
 import summaries
 
-# For model creation, which runs once: XLA's lowest optimisation level compiles fastest.
-_INIT_COMPILER_OPTIONS = {'xla_backend_optimization_level': 0}
-
 
 @flax.struct.dataclass
 class Metrics(clu_metrics.Collection):
@@ -121,9 +118,7 @@ def create_model_and_optimizer(
     return model, nnx.Optimizer(model, optimizers.create_optimizer(config, schedule),
                                 wrt=nnx.Param)
 
-  # One program at XLA's lowest optimisation level: eagerly, XLA:CPU compiles every initialiser
-  # op on its own at the full level (~4 s for the CNN on 2 cores, against ~1 s this way).
-  model, optimizer = nnx.jit(create).lower().compile(_INIT_COMPILER_OPTIONS)()
+  model, optimizer = models.create_compiled(create)
   return model, optimizer, schedule
 
 
