@@ -1,4 +1,4 @@
-"""Measures training speed on real MNIST: this project's train step and, side by side, the reference.
+"""Measures training speed on real MNIST: this project's train step and, beside it, the reference.
 
     python benchmark.py --config=configs/default.py --reference --time_to_accuracy
 

@@ -25,7 +25,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   model, step = checkpointing.load_latest_model(config, workdir, info)
   logging.info('Evaluating the checkpoint at step %d on %s %r.', step, config.dataset,
                config.eval_split)
-  metrics, _ = train.evaluate(model, parallel.eval_batches(load_split, info.num_eval_examples, config, mesh))
+  eval_batches = parallel.eval_batches(load_split, info.num_eval_examples, config, mesh)
+  metrics, _ = train.evaluate(model, eval_batches)
   writer = metric_writers.create_default_writer(os.path.join(workdir, EVAL_DIR),
                                                 just_logging=jax.process_index() > 0)
   writer.write_scalars(step, metrics)

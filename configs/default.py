@@ -15,9 +15,9 @@ def get_config() -> ml_collections.ConfigDict:
   # can override it.
   config.data_dir = ml_collections.config_dict.placeholder(str)
   config.download = False  # torchvision only: download the dataset into data_dir if missing.
-  config.train_split = 'train'  # TFDS split to train on (split slicing such as 'train[:90%]' works).
+  config.train_split = 'train'  # TFDS split to train on (slices such as 'train[:90%]' work).
   config.eval_split = 'test'  # TFDS split evaluated in full after every epoch.
-  config.shuffle_buffer_size = 60_000  # Examples in the shuffle buffer; >= split size = perfect shuffle.
+  config.shuffle_buffer_size = 60_000  # Shuffle buffer; >= the split's size = a perfect shuffle.
   config.input_backend = 'tf'  # Training batches from 'tf' (tf.data) or 'torch' (DataLoader).
   config.steps_per_dispatch = 1  # Train steps run per jit call (unrolled in one dispatch).
   # Model.
