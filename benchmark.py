@@ -127,12 +127,12 @@ def measure_project(config) -> dict[str, float]:
   mesh = parallel.create_mesh()
   jax.set_mesh(mesh)
   info, load_split = data_sources.open_source(config)
-  eval_batches = parallel.eval_batches(load_split, info.num_eval_examples, config, mesh)
+  train_split, eval_batches = train.load_data(config, info, load_split, mesh)
   model, optimizer, _ = train.create_model_and_optimizer(
       config, info, info.num_train_examples // config.batch_size)
   metrics = train.Metrics.empty()
-  chunks = (parallel.shard(chunk, mesh, axis=1) for chunk in data_sources.train_batches(
-      load_split(config.train_split), config))
+  chunks = (parallel.shard(chunk, mesh, axis=1)
+            for chunk in data_sources.train_batches(train_split, config))
   first = next(chunks)
   examples_per_call = first['label'].size
   compile_s, flops = flops_per_example(train.train_steps, model, optimizer, metrics, first,
