@@ -127,13 +127,13 @@ def load_split(builder: tfds.core.DatasetBuilder, split: tfds.typing.SplitArg) -
       return tf.stack([decode_image(example['image'][i]) for i in range(size)]), example['label']
     return decode
 
-  num_examples = split_info.num_examples
-  in_blocks = num_examples // _DECODE_BLOCK * _DECODE_BLOCK
+  remainder = split_info.num_examples % _DECODE_BLOCK
+  in_blocks = split_info.num_examples - remainder
   blocks = (records.take(in_blocks).batch(_DECODE_BLOCK, drop_remainder=True)
             .map(decode_block(_DECODE_BLOCK)))
-  if in_blocks < num_examples:
+  if remainder:  # The last examples, as one smaller block.
     blocks = blocks.concatenate(
-        records.skip(in_blocks).batch(num_examples).map(decode_block(num_examples - in_blocks)))
+        records.skip(in_blocks).batch(remainder).map(decode_block(remainder)))
   images, labels = zip(*blocks.as_numpy_iterator())
   return Split(images=np.concatenate(images), labels=np.concatenate(labels).astype(np.int32))
 
