@@ -10,8 +10,10 @@ On several hosts, run the same command on each with `--coordinator_address=HOST:
 
 import sys
 
-import allocator  # pylint: disable=unused-import  (first: before any thread allocates)
-import triton_before_tf  # pylint: disable=unused-import  (must precede tensorflow)
+from cli import startup  # pylint: disable=g-bad-import-order  (first: it must precede tensorflow)
+
+# Before TensorFlow and JAX start their threads; see startup.keep_freed_memory.
+MALLOC_TUNED = startup.jax_will_run_on_cpu() and startup.keep_freed_memory()
 
 from absl import app
 from absl import flags
@@ -20,12 +22,12 @@ import jax
 from ml_collections import config_flags
 import tensorflow as tf
 
-import checkpointing
-import config_checks
-import eval_only
-import export
-import parallel
+from modes import evaluate
+from modes import export
 import train
+from training import checkpointing
+from training import config_checks
+from training import parallel
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Directory for TensorBoard summaries and checkpoints.')
@@ -50,9 +52,9 @@ def main(argv):
     sys.exit(f'Flag error: {error}')
   # TensorFlow only feeds data; keep it off the GPUs so JAX gets all their memory.
   tf.config.set_visible_devices([], 'GPU')
-  logging.info('JAX process %d of %d, local devices: %s', jax.process_index(),
-               jax.process_count(), jax.local_devices())
-  run = {'train': train.train_and_evaluate, 'eval': eval_only.evaluate_checkpoint,
+  logging.info('JAX process %d of %d, local devices: %s; malloc tuned for XLA:CPU: %s',
+               jax.process_index(), jax.process_count(), jax.local_devices(), MALLOC_TUNED)
+  run = {'train': train.train_and_evaluate, 'eval': evaluate.evaluate_checkpoint,
          'export': export.export_saved_model}[FLAGS.mode]
   try:
     run(FLAGS.config, FLAGS.workdir)
@@ -66,4 +68,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=startup.parse_flags)

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-import triton_before_tf  # pylint: disable=unused-import  (must precede tensorflow)
+from cli import startup  # pylint: disable=g-bad-import-order  (first: it must precede tensorflow)
 
 from absl import app
 from absl import flags
@@ -33,7 +33,7 @@ from ml_collections import config_flags
 from tensorboard.backend.event_processing import event_accumulator
 import tensorflow as tf
 
-import config_checks
+from training import config_checks
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Sweep directory: one subdirectory per run, and the results.')
@@ -237,4 +237,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=startup.parse_flags)

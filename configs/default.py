@@ -21,7 +21,16 @@ def get_config() -> ml_collections.ConfigDict:
   config.input_backend = 'tf'  # Training batches from 'tf' (tf.data) or 'torch' (DataLoader).
   config.steps_per_dispatch = 1  # Train steps run per jit call (unrolled in one dispatch).
   # Model.
-  config.model = 'cnn'  # 'cnn' (reference CNN) or 'mlp' (784-512-512-10 perceptron).
+  config.model = 'cnn'  # A name in models.MODELS: 'cnn' (the flax MNIST example's) or 'mlp'.
+  # Each model's constructor options, by model name (the one of config.model is used).
+  config.model_options = ml_collections.ConfigDict({
+      'cnn': {'conv1_features': 32, 'conv2_features': 64, 'hidden_features': 256,
+              'dropout_rate': 0.025},
+      'mlp': {'hidden_features': (512, 512)},
+  })
+  # 'auto': layers written for XLA:CPU (kernels/cpu.py) on the CPU backend, flax's stock layers
+  # elsewhere; 'off': always the stock layers. Both compute the same function.
+  config.cpu_kernels = 'auto'
   # Optimisation.
   config.optimizer = 'sgd'  # 'sgd' (with momentum), 'adam' or 'adamw'.
   config.learning_rate = 0.1  # Peak learning rate.

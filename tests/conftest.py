@@ -6,8 +6,10 @@ import shutil
 
 import pytest
 
-import allocator  # pylint: disable=unused-import  (first: before any thread allocates)
-import triton_before_tf  # pylint: disable=unused-import  (must precede tensorflow)
+from cli import startup  # pylint: disable=g-bad-import-order  (first: it must precede tensorflow)
+
+# In-process training in the tests runs as it does in main.py.
+startup.jax_will_run_on_cpu() and startup.keep_freed_memory()
 
 SHARED_MNIST = pathlib.Path(__file__).resolve().parents[2] / 'shared' / 'datasets' / 'mnist'
 

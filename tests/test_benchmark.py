@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_measurement_reports_every_figure(tfds_data_dir, tmp_path, program):
   out = tmp_path / 'figures.json'
   subprocess.run(
-      [sys.executable, 'benchmark.py', f'--measure={program}', '--steps=3', f'--json={out}',
+      [sys.executable, '-m', 'benchmarks.benchmark', f'--measure={program}', '--steps=3', f'--json={out}',
        f'--config.data_dir={tfds_data_dir}', '--config.eval_batch_size=2000'],
       cwd=ROOT, check=True, capture_output=True, timeout=600,
       env={**os.environ, 'TFDS_DATA_DIR': tfds_data_dir})

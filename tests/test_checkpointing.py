@@ -18,12 +18,14 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+
+from data_sources import tfds_source
 import tensorflow as tf
 
-import checkpointing
-import config_checks
-import eval_only
-import export
+from training import checkpointing
+from training import config_checks
+from modes import evaluate
+from modes import export
 import input_pipeline
 import models
 import train
@@ -189,7 +191,7 @@ def test_eval_only_reproduces_the_final_eval_of_training(reference, tfds_data_di
   final = _final_eval(reference)
   assert final['eval_num_examples'] == (NUM_STEPS, 10_000)
   # Written to TensorBoard at the checkpoint's step, equal to the training run's last eval.
-  assert _final_eval(os.path.join(reference, eval_only.EVAL_DIR)) == final
+  assert _final_eval(os.path.join(reference, evaluate.EVAL_DIR)) == final
   _, accuracy = final['eval_accuracy']
   assert (f"Checkpoint at step {NUM_STEPS}, mnist 'test': " in result.stdout and
           f'eval_accuracy={accuracy:.4f}' in result.stdout), result.stdout
@@ -198,19 +200,19 @@ def test_eval_only_reproduces_the_final_eval_of_training(reference, tfds_data_di
 def test_eval_only_without_checkpoint_says_so(tfds_data_dir, tmp_path):
   with pytest.raises(config_checks.ConfigError, match=r'No checkpoint in .*checkpoints: train '
                                                       r'first with the same --workdir'):
-    eval_only.evaluate_checkpoint(_config(tfds_data_dir), str(tmp_path))
+    evaluate.evaluate_checkpoint(_config(tfds_data_dir), str(tmp_path))
 
 
 def test_exported_saved_model_predicts_like_the_jax_model(reference, tfds_data_dir):
   config = _config(tfds_data_dir)
   path = export.export_saved_model(config, reference)
   assert path == os.path.join(reference, 'export')
-  builder = input_pipeline.prepared_builder(config)
+  source = tfds_source.TfdsSource('mnist', config.data_dir)
   model, step = checkpointing.load_latest_model(config, reference,
-                                                input_pipeline.get_info(builder, config))
+                                                source.info(config))
   assert step == NUM_STEPS
   images = input_pipeline.eval_batches(
-      input_pipeline.load_split(builder, 'test[:100]'), batch_size=100)[0]['image']
+      source.load_split('test[:100]'), batch_size=100)[0]['image']
   loaded = tf.saved_model.load(path)
   served = loaded.signatures['serving_default'](images=tf.constant(images))['output_0']
   np.testing.assert_allclose(served.numpy(), model(images), rtol=1e-4, atol=1e-4)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-import config_checks
+from training import config_checks
 import train
 from configs import default
 

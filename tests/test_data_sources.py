@@ -10,12 +10,14 @@ import sys
 import numpy as np
 from PIL import Image
 import pytest
+
+from data_sources import base
 from tensorflow_datasets.core import hashing
 
-import config_checks
+from training import config_checks
 import data_sources
 import input_pipeline
-import torch_pipeline
+from data_sources import torch_loader
 import train
 from configs import default
 from conftest import SHARED_MNIST
@@ -45,8 +47,8 @@ def torchvision_root(tmp_path_factory):
 @pytest.fixture(scope='module')
 def tfds_splits(tfds_data_dir):
   """TFDS's MNIST: the first 12,800 training images and the 10,000 test images."""
-  _, load_split = data_sources.open_source(_config(data_dir=tfds_data_dir))
-  return {'train': load_split('train[:12800]'), 'test': load_split('test')}
+  source = data_sources.open_source(_config(data_dir=tfds_data_dir))
+  return {'train': source.load_split('train[:12800]'), 'test': source.load_split('test')}
 
 
 @pytest.fixture(scope='module')
@@ -75,28 +77,30 @@ def _in_file_order(split, split_name):
   stored_order = np.argsort([hasher.hash_key(index) for index in range(len(split.labels))])
   images, labels = np.empty_like(split.images), np.empty_like(split.labels)
   images[stored_order], labels[stored_order] = split.images, split.labels
-  return input_pipeline.Split(images=images, labels=labels)
+  return base.Split(images=images, labels=labels)
 
 
 def test_to_split_adds_the_channel_axis_and_casts_labels():
   gray = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
-  split = data_sources.to_split(gray, [3, 7])
+  split = base.to_split(gray, [3, 7])
   assert split.images.shape == (2, 3, 4, 1) and split.images.dtype == np.uint8
   assert split.labels.dtype == np.int32 and list(split.labels) == [3, 7]
   # PIL images: grayscale ones get the channel axis too, RGB ones keep their 3 channels.
-  from_pil = data_sources.to_split([Image.fromarray(image) for image in gray], np.array([3, 7]))
+  from_pil = base.to_split([Image.fromarray(image) for image in gray], np.array([3, 7]))
   np.testing.assert_array_equal(from_pil.images, split.images)
-  rgb = data_sources.to_split([Image.fromarray(image).convert('RGB') for image in gray], [0, 1])
+  rgb = base.to_split([Image.fromarray(image).convert('RGB') for image in gray], [0, 1])
   assert rgb.images.shape == (2, 3, 4, 3)
   with pytest.raises(ValueError, match='uint8.*float32'):
-    data_sources.to_split(gray.astype(np.float32), [3, 7])
+    base.to_split(gray.astype(np.float32), [3, 7])
 
 
 def test_torchvision_mnist_equals_tfds(torchvision_root, tfds_data_dir, tfds_splits):
   config = _config(data_source='torchvision', dataset='MNIST', data_dir=torchvision_root)
-  info, load_split = data_sources.open_source(config)
-  tfds_info, _ = data_sources.open_source(_config(data_dir=tfds_data_dir))
-  assert info == input_pipeline.DatasetInfo(
+  source = data_sources.open_source(config)
+  info, load_split = source.info(config), source.load_split
+  tfds_info = data_sources.open_source(_config(data_dir=tfds_data_dir)).info(
+      _config(data_dir=tfds_data_dir))
+  assert info == base.DatasetInfo(
       name='MNIST', image_shape=tfds_info.image_shape, num_classes=tfds_info.num_classes,
       num_train_examples=tfds_info.num_train_examples,
       num_eval_examples=tfds_info.num_eval_examples)
@@ -115,8 +119,9 @@ def test_torchvision_mnist_equals_tfds(torchvision_root, tfds_data_dir, tfds_spl
 
 def test_huggingface_local_dataset(huggingface_dir, tfds_splits):
   config = _config(data_source='huggingface', dataset=huggingface_dir)
-  info, load_split = data_sources.open_source(config)
-  assert info == input_pipeline.DatasetInfo(name=huggingface_dir, image_shape=(28, 28, 1),
+  source = data_sources.open_source(config)
+  info, load_split = source.info(config), source.load_split
+  assert info == base.DatasetInfo(name=huggingface_dir, image_shape=(28, 28, 1),
                                             num_classes=10, num_train_examples=12_800,
                                             num_eval_examples=10_000)
   test = load_split('test')
@@ -169,7 +174,7 @@ def test_bad_data_source_values(overrides, message):
 def _split(num_examples):
   rng = np.random.default_rng(0)
   images = rng.integers(0, 256, (num_examples, 6, 5, 1), dtype=np.uint8)
-  return input_pipeline.Split(images=images, labels=np.arange(num_examples, dtype=np.int32))
+  return base.Split(images=images, labels=np.arange(num_examples, dtype=np.int32))
 
 
 def _ids(chunks):
@@ -183,7 +188,7 @@ def _layout(chunk):
 def test_torch_batches_match_the_tf_pipeline():
   split = _split(100)
   options = dict(batch_size=8, num_epochs=2, steps_per_dispatch=5)
-  torch_chunks = list(torch_pipeline.train_batches(split, _config(**options)))
+  torch_chunks = list(torch_loader.dataloader_batches(split, _config(**options), 0, 0))
   tf_chunks = list(input_pipeline.train_batches(split, _config(**options)))
   assert [_layout(chunk) for chunk in torch_chunks] == [_layout(chunk) for chunk in tf_chunks]
   for chunk in torch_chunks:
@@ -195,11 +200,11 @@ def test_torch_batches_match_the_tf_pipeline():
   assert not np.array_equal(epochs[0], epochs[1])  # Reshuffled every epoch...
   # ...from a per-epoch seed: the same order again, from any start epoch; another with seed 1.
   np.testing.assert_array_equal(
-      _ids(torch_pipeline.train_batches(split, _config(**options))), epochs.ravel())
+      _ids(torch_loader.dataloader_batches(split, _config(**options), 0, 0)), epochs.ravel())
   np.testing.assert_array_equal(
-      _ids(torch_pipeline.train_batches(split, _config(**options), start_epoch=1)), epochs[1])
+      _ids(torch_loader.dataloader_batches(split, _config(**options), 1, 0)), epochs[1])
   assert not np.array_equal(
-      _ids(torch_pipeline.train_batches(split, _config(**options, seed=1))), epochs.ravel())
+      _ids(torch_loader.dataloader_batches(split, _config(**options, seed=1), 0, 0)), epochs.ravel())
 
 
 def test_torchvision_cli_run_scores_98_percent(torchvision_root, tmp_path):

@@ -5,6 +5,10 @@ import os
 import ml_collections
 import numpy as np
 import pytest
+
+from data_sources import tfds_source
+
+from data_sources import base
 import tensorflow_datasets as tfds
 
 import data_sources
@@ -16,7 +20,7 @@ def _split(num_examples, image_shape=(6, 5, 1), seed=0):
   rng = np.random.default_rng(seed)
   images = rng.integers(0, 256, (num_examples, *image_shape), dtype=np.uint8)
   # Labels double as example ids so tests can tell which examples were seen.
-  return input_pipeline.Split(images=images, labels=np.arange(num_examples, dtype=np.int32))
+  return base.Split(images=images, labels=np.arange(num_examples, dtype=np.int32))
 
 
 def _config(**overrides):
@@ -78,8 +82,8 @@ def test_start_epoch_continues_the_same_order():
 def test_mid_epoch_start_step_gives_the_remaining_chunks(backend):
   split = _split(100)
   config = _config(num_epochs=3, steps_per_dispatch=3, input_backend=backend)
-  full = list(data_sources.train_batches(split, config))  # 4 chunks of 3 steps per epoch.
-  resumed = list(data_sources.train_batches(split, config, start_epoch=1, start_step=6))
+  full = list(input_pipeline.train_batches(split, config))  # 4 chunks of 3 steps per epoch.
+  resumed = list(input_pipeline.train_batches(split, config, start_epoch=1, start_step=6))
   assert len(resumed) == len(full) - 6
   for got, want in zip(resumed, full[6:]):
     np.testing.assert_array_equal(got['label'], want['label'])
@@ -99,22 +103,22 @@ def test_eval_counts_every_example_exactly_once():
 
 def test_real_mnist_info_and_splits(tfds_data_dir):
   config = _config(data_dir=tfds_data_dir)
-  builder = input_pipeline.prepared_builder(config)
-  info = input_pipeline.get_info(builder, config)
-  assert info == input_pipeline.DatasetInfo(name='mnist', image_shape=(28, 28, 1),
+  source = tfds_source.TfdsSource('mnist', config.data_dir)
+  info = source.info(config)
+  assert info == base.DatasetInfo(name='mnist', image_shape=(28, 28, 1),
                                             num_classes=10, num_train_examples=60_000,
                                             num_eval_examples=10_000)
-  test = input_pipeline.load_split(builder, 'test')
+  test = source.load_split('test')
   assert test.images.shape == (10_000, 28, 28, 1) and test.images.dtype == np.uint8
   assert sorted(np.unique(test.labels)) == list(range(10))
 
 
 @pytest.mark.parametrize('split', ['test', 'train[10:1234]', 'test[:10]+train[5:7]'])
 def test_block_decoding_equals_tfds_reader(tfds_data_dir, split):
-  builder = input_pipeline.prepared_builder(_config(data_dir=tfds_data_dir))
-  loaded = input_pipeline.load_split(builder, split)
+  source = tfds_source.TfdsSource('mnist', tfds_data_dir)
+  loaded = source.load_split(split)
   # TFDS's own reader, example by example: the same pixels, labels and order.
-  tfds_split = tfds.as_numpy(builder.as_dataset(split=split, batch_size=-1, shuffle_files=False))
+  tfds_split = tfds.as_numpy(source.builder.as_dataset(split=split, batch_size=-1, shuffle_files=False))
   np.testing.assert_array_equal(loaded.images, tfds_split['image'])
   np.testing.assert_array_equal(loaded.labels, tfds_split['label'])
   assert loaded.images.dtype == np.uint8 and loaded.labels.dtype == np.int32
@@ -122,9 +126,9 @@ def test_block_decoding_equals_tfds_reader(tfds_data_dir, split):
 
 def test_unprepared_offline_dataset_names_the_manual_dir(tmp_path, monkeypatch):
   # Simulate a machine without internet, whatever this one has.
-  monkeypatch.setattr(input_pipeline, '_reachable', lambda host: False)
+  monkeypatch.setattr(tfds_source, '_reachable', lambda host: False)
   with pytest.raises(RuntimeError) as error:
-    input_pipeline.prepared_builder(_config(data_dir=str(tmp_path)))
+    tfds_source.TfdsSource('mnist', str(tmp_path))
   message = str(error.value)
   assert os.path.join(str(tmp_path), 'downloads', 'manual') in message
   for name in ('train-images-idx3-ubyte.gz', 't10k-labels-idx1-ubyte.gz'):

@@ -1,17 +1,21 @@
-"""Model shapes, parameter counts, train/eval behaviour and model selection."""
+"""Models: shapes, parameter counts, the reference CNN's order, options and the registry."""
 
 from flax import nnx
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
+import kernels
 import models
+from benchmarks import reference_mnist
+from configs import default
 
 
-def _create(name, image_shape=(28, 28, 1), num_classes=10, seed=0):
-  config = ml_collections.ConfigDict({'model': name})
+def _create(name, image_shape=(28, 28, 1), num_classes=10, seed=0, **config_overrides):
+  config = default.get_config()
+  config.model = name
+  config.update(config_overrides)
   return models.create_model(config, image_shape, num_classes, nnx.Rngs(seed))
 
 
@@ -40,6 +44,39 @@ def test_mlp_parameter_count():
   assert _count(_create('mlp'), nnx.Param) == (784 * 512 + 512) + (512 * 512 + 512) + (512 * 10 + 10)
 
 
+def test_model_options_come_from_the_config():
+  config = default.get_config()
+  config.model_options.cnn.update(conv1_features=8, conv2_features=16, hidden_features=32,
+                                  dropout_rate=0.5)
+  model = models.create_model(config, (28, 28, 1), 10, nnx.Rngs(0))
+  assert model.conv2.kernel.shape == (3, 3, 8, 16)
+  assert model.linear1.kernel.shape == (7 * 7 * 16, 32)
+  assert model.dropout1.rate == model.dropout2.rate == 0.5
+  config.model = 'mlp'
+  config.model_options.mlp.hidden_features = (64, 32, 16)
+  model = models.create_model(config, (28, 28, 1), 10, nnx.Rngs(0))
+  assert [linear.kernel.shape for linear in model.linears] == [(784, 64), (64, 32), (32, 16),
+                                                               (16, 10)]
+
+
+@pytest.mark.parametrize('cpu_kernels', kernels.CPU_KERNELS)
+def test_cnn_is_the_reference_example_function(cpu_kernels):
+  """The same parameters give the reference CNN's outputs in eval mode, and in training mode the
+  same outputs and gradients when dropout is deterministic (the masks are random by design)."""
+  model = _create('cnn', cpu_kernels=cpu_kernels)
+  reference = reference_mnist.ReferenceCNN(rngs=nnx.Rngs(1))
+  nnx.update(reference, *nnx.state(model, nnx.Param, nnx.BatchStat))
+  x = jax.random.uniform(jax.random.key(0), (16, 28, 28, 1))
+  for train in (False, True):
+    for module in (model, reference):
+      module.eval() if not train else module.set_attributes(deterministic=True)
+    loss = lambda module: jnp.sin(module(x)).sum()
+    np.testing.assert_allclose(model(x), reference(x), rtol=1e-4, atol=1e-4)
+    grads, reference_grads = nnx.grad(loss)(model), nnx.grad(loss)(reference)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4),
+                 grads, reference_grads)
+
+
 def test_cnn_train_mode_is_stochastic_and_updates_batch_stats():
   model = _create('cnn')
   x = jax.random.uniform(jax.random.key(1), (8, 28, 28, 1))
@@ -63,92 +100,23 @@ def test_unknown_model_lists_valid_names():
     _create('resnet')
 
 
-@pytest.mark.parametrize('rate', [0.025, 0.5])
-def test_dropout_drops_its_rate_and_keeps_the_mean(rate):
-  dropout = models.Dropout(rate=rate, rngs=nnx.Rngs(0))
-  ones = jnp.ones((1001, 999))
-  first, second = dropout(ones), dropout(ones)
-  dropped = first == 0
-  # 4.5 standard deviations of a binomial count of 1M draws.
-  assert float(dropped.mean()) == pytest.approx(rate, abs=4.5 * np.sqrt(rate * (1 - rate) / 1e6))
-  np.testing.assert_allclose(np.unique(first), [0.0, 1 / (1 - rate)], rtol=1e-6)
-  # Masks of successive calls, and of neighbouring rows and columns, look independent.
-  both = float((dropped & (second == 0)).mean())
-  assert both == pytest.approx(rate**2, abs=4.5 * np.sqrt(rate**2 / 1e6))
-  for a, b in [(dropped[1:], dropped[:-1]), (dropped[:, 1:], dropped[:, :-1])]:
-    assert float((a & b).mean()) == pytest.approx(rate**2, abs=4.5 * np.sqrt(rate**2 / 1e6))
-  dropout.eval()
-  assert jnp.array_equal(dropout(ones), ones)
+class TinyNet(nnx.Module):
+  """What a user adds: one class, built from the injected layers, with one option."""
+
+  def __init__(self, image_shape, num_classes, *, layers, rngs, width=4):
+    self.conv = layers.conv(image_shape[-1], width, kernel_size=(3, 3), rngs=rngs)
+    self.linear = nnx.Linear(width, num_classes, rngs=rngs)
+
+  def __call__(self, x):
+    return self.linear(nnx.relu(self.conv(x)).mean(axis=(1, 2)))
 
 
-def test_dropout_masks_repeat_with_the_seed():
-  ones = jnp.ones((64, 64))
-  first = models.Dropout(rate=0.5, rngs=nnx.Rngs(3))(ones)
-  np.testing.assert_array_equal(models.Dropout(rate=0.5, rngs=nnx.Rngs(3))(ones), first)
-  assert not jnp.array_equal(models.Dropout(rate=0.5, rngs=nnx.Rngs(4))(ones), first)
-
-
-@pytest.mark.parametrize('kernel_size', [(3, 3), (2, 2), (5, 3)])
-@pytest.mark.parametrize('channels', [1, 4])
-def test_conv_same_and_its_gradients_match_lax_conv(kernel_size, channels):
-  x = jax.random.normal(jax.random.key(0), (3, 9, 8, channels))
-  kernel = jax.random.normal(jax.random.key(1), (*kernel_size, channels, 5))
-  dy = jax.random.normal(jax.random.key(2), (3, 9, 8, 5))
-  lax_conv = lambda x, k: jax.lax.conv_general_dilated(
-      x, k, (1, 1), 'SAME', dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
-  y, vjp = jax.vjp(models.conv_same, x, kernel)
-  y_ref, vjp_ref = jax.vjp(lax_conv, x, kernel)
-  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
-  for grad, grad_ref in zip(vjp(dy), vjp_ref(dy)):
-    np.testing.assert_allclose(grad, grad_ref, rtol=1e-5, atol=1e-4)
-
-
-def test_cnn_layers_match_their_plain_flax_counterparts():
-  model = _create('cnn')
-  x = jax.random.normal(jax.random.key(0), (4, 14, 14, 32))
-  plain_conv = nnx.Conv(32, 64, kernel_size=(3, 3), rngs=nnx.Rngs(0))
-  nnx.update(plain_conv, nnx.state(model.conv2))
-  np.testing.assert_allclose(model.conv2(x), plain_conv(x), rtol=1e-5, atol=1e-5)
-  with pytest.raises(ValueError, match='strides'):
-    models._nnx_conv_same(x, model.conv2.kernel[...], (2, 2), 'SAME', lhs_dilation=(1, 1),
-                          rhs_dilation=(1, 1), dimension_numbers=None, feature_group_count=1)
-  for shape in [(4, 28, 28, 32), (2, 7, 9, 3)]:  # Odd sizes: 'VALID' drops the last row/column.
-    y = jax.random.normal(jax.random.key(1), shape)
-    pool = lambda y: nnx.avg_pool(y, window_shape=(2, 2), strides=(2, 2))
-    np.testing.assert_allclose(models._avg_pool(y), pool(y), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(jax.grad(lambda y: (models._avg_pool(y) ** 2).sum())(y),
-                               jax.grad(lambda y: (pool(y) ** 2).sum())(y), rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize('in_features', [1, 3])
-def test_conv_batch_norm_equals_batch_norm_of_conv(in_features):
-  conv = nnx.Conv(in_features, 8, kernel_size=(3, 3), rngs=nnx.Rngs(0))
-  batch_norm = nnx.BatchNorm(8, rngs=nnx.Rngs(0))
-  # Non-trivial BatchNorm parameters and statistics, and MNIST-like inputs in [0, 1].
-  batch_norm.scale[...] = jax.random.uniform(jax.random.key(1), (8,), minval=0.5, maxval=2)
-  batch_norm.bias[...] = jax.random.normal(jax.random.key(2), (8,))
-  batch_norm.var[...] = jnp.full((8,), 2.0)
-  x = jax.random.uniform(jax.random.key(3), (16, 12, 10, in_features))
-  fused_layers = nnx.clone((conv, batch_norm))
-  plain_layers = nnx.clone((conv, batch_norm))
-
-  def loss(layers, fused):
-    conv, batch_norm = layers
-    y = models._conv_batch_norm(conv, batch_norm, x) if fused else batch_norm(conv(x))
-    return (jnp.sin(y) * jnp.arange(8)).mean(), y
-
-  (_, y), grads = nnx.value_and_grad(loss, has_aux=True)(fused_layers, True)
-  (_, y_ref), grads_ref = nnx.value_and_grad(loss, has_aux=True)(plain_layers, False)
-  np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-4)
-  for grad, grad_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
-    np.testing.assert_allclose(grad, grad_ref, rtol=1e-3, atol=1e-5)
-  # The running statistics moved, and alike.
-  for fused_stat, plain_stat in zip(jax.tree.leaves(nnx.state(fused_layers, nnx.BatchStat)),
-                                    jax.tree.leaves(nnx.state(plain_layers, nnx.BatchStat))):
-    np.testing.assert_allclose(fused_stat, plain_stat, rtol=1e-5, atol=1e-6)
-  assert not np.allclose(fused_layers[1].var[...], 2.0)
-
-  for layers in (fused_layers, plain_layers):
-    layers[1].use_running_average = True
-  np.testing.assert_allclose(models._conv_batch_norm(*fused_layers, x),
-                             plain_layers[1](plain_layers[0](x)), rtol=1e-4, atol=1e-4)
+def test_a_model_added_to_the_registry_is_built_from_the_config(monkeypatch):
+  monkeypatch.setitem(models.MODELS, 'tiny', TinyNet)
+  config = default.get_config()
+  config.model = 'tiny'
+  config.model_options.tiny = {'width': 6}
+  model = models.create_model(config, (28, 28, 1), 10, nnx.Rngs(0))
+  assert isinstance(model, TinyNet) and model.conv.kernel.shape == (3, 3, 1, 6)
+  # On this CPU backend, 'auto' built it from the CPU layers.
+  assert isinstance(model.conv, kernels.cpu.Conv)

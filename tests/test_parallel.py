@@ -11,7 +11,11 @@ import sys
 import numpy as np
 import pytest
 
-import config_checks
+from data_sources import tfds_source
+
+from data_sources import base
+
+from training import config_checks
 import input_pipeline
 from configs import default
 from test_end_to_end import _scalars  # pytest puts tests/ on sys.path.
@@ -26,14 +30,16 @@ _FOUR_DEVICE_SCRIPT = r'''
 import json, sys
 import jax, numpy as np
 from flax import nnx
-import input_pipeline, models, optimizers, parallel, train
+import input_pipeline, models, train
+from data_sources import tfds_source
+from training import optimizers, parallel
 from configs import default
 
 config = default.get_config()
 config.data_dir = sys.argv[1]
 config.eval_batch_size = 1001  # Rounded up to 1004 on 4 devices: padding must stay masked.
-builder = input_pipeline.prepared_builder(config)
-split = input_pipeline.load_split(builder, 'train[:384]')
+source = tfds_source.TfdsSource('mnist', config.data_dir)
+split = source.load_split('train[:384]')
 batches = {'image': split.images.reshape(3, 1, 128, 28, 28, 1).astype(np.float32) / 255,
            'label': split.labels.reshape(3, 1, 128)}
 compiles = []
@@ -57,7 +63,7 @@ for name, mesh in (('one', jax.make_mesh((1,), ('data',), axis_types=auto,
       metrics = train.train_steps(model, optimizer, metrics, batch)
     later_compiles = len(compiles)
     eval_metrics, _ = train.evaluate(model, parallel.eval_batches(
-        lambda split: input_pipeline.load_split(builder, split), 10_000, config, mesh))
+        source.load_split, 10_000, config, mesh))
   out[name] = {**train.summarize(metrics, 'train'), **eval_metrics,
                'later_train_compiles': later_compiles,
                'batch_spec': str(batch['image'].sharding.spec),
@@ -113,7 +119,7 @@ def test_bad_process_flags_exit_with_the_fix(tmp_path):
 
 
 def test_eval_batches_pad_to_the_requested_number_of_batches():
-  split = input_pipeline.Split(images=np.ones((7, 2, 2, 1), np.uint8),
+  split = base.Split(images=np.ones((7, 2, 2, 1), np.uint8),
                                labels=np.arange(7, dtype=np.int32))
   batches = input_pipeline.eval_batches(split, batch_size=3, num_batches=4)
   assert [len(batch['label']) for batch in batches] == [3, 3, 3, 3]

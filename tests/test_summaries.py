@@ -5,7 +5,7 @@ import numpy as np
 from tensorboard.backend.event_processing import event_accumulator
 
 from configs import default
-import summaries
+from training import summaries
 
 
 def test_confusion_matrix_counts_true_by_predicted():

@@ -6,15 +6,19 @@ import numpy as np
 import optax
 import pytest
 
+from data_sources import tfds_source
+
+from data_sources import base
+
 import input_pipeline
 import models
-import optimizers
-import parallel
+from training import optimizers
+from training import parallel
 import train
 from configs import default
 
 
-_INFO = input_pipeline.DatasetInfo(name='mnist', image_shape=(28, 28, 1), num_classes=10,
+_INFO = base.DatasetInfo(name='mnist', image_shape=(28, 28, 1), num_classes=10,
                                    num_train_examples=3200, num_eval_examples=100)
 
 
@@ -61,7 +65,7 @@ def test_steps_compiled_ahead_are_reused_and_change_nothing():
   mesh = parallel.create_mesh()
   batches = parallel.shard(_batches(2, batch_size=24), mesh, axis=1)
   rng = np.random.default_rng(1)
-  split = input_pipeline.Split(images=rng.integers(0, 256, (70, 28, 28, 1), dtype=np.uint8),
+  split = base.Split(images=rng.integers(0, 256, (70, 28, 28, 1), dtype=np.uint8),
                                labels=rng.integers(0, 10, 70).astype(np.int32))
   eval_batches = [parallel.shard(batch, mesh) for batch in input_pipeline.eval_batches(split, 40)]
   results = []
@@ -96,7 +100,7 @@ def _key_data(x):
 def test_train_step_lowers_loss_on_a_fixed_batch(tfds_data_dir):
   config = default.get_config()
   config.data_dir = tfds_data_dir
-  split = input_pipeline.load_split(input_pipeline.prepared_builder(config), 'train[:128]')
+  split = (tfds_source.TfdsSource('mnist', config.data_dir), 'train[:128]')
   batch = {'image': split.images[None].astype(np.float32) / 255, 'label': split.labels[None]}
   model, optimizer = _setup()
   before = _loss_without_dropout(model, batch)
@@ -124,7 +128,7 @@ def test_k_steps_in_one_dispatch_equal_k_single_steps():
 def test_masked_padded_eval_equals_eval_of_real_examples_only():
   model, _ = _setup()
   rng = np.random.default_rng(0)
-  split = input_pipeline.Split(images=rng.integers(0, 256, (250, 28, 28, 1), dtype=np.uint8),
+  split = base.Split(images=rng.integers(0, 256, (250, 28, 28, 1), dtype=np.uint8),
                                labels=rng.integers(0, 10, 250).astype(np.int32))
   padded, padded_predictions = train.evaluate(model, input_pipeline.eval_batches(split, 100))
   exact, exact_predictions = train.evaluate(model, input_pipeline.eval_batches(split, 250))
@@ -137,7 +141,7 @@ def test_masked_padded_eval_equals_eval_of_real_examples_only():
 
 def test_evaluate_restores_train_mode():
   model, _ = _setup()
-  split = input_pipeline.Split(images=np.zeros((10, 28, 28, 1), np.uint8),
+  split = base.Split(images=np.zeros((10, 28, 28, 1), np.uint8),
                                labels=np.zeros(10, np.int32))
   train.evaluate(model, input_pipeline.eval_batches(split, batch_size=10))
   assert not model.dropout1.deterministic and not model.batch_norm1.use_running_average

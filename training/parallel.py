@@ -28,6 +28,7 @@ import ml_collections
 import numpy as np
 import tensorflow_datasets as tfds
 
+from data_sources import base
 import input_pipeline
 
 
@@ -113,7 +114,7 @@ def eval_batch_size(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) 
   return -(-config.eval_batch_size // mesh.size) * mesh.size
 
 
-def eval_batches(load_split: Callable[[str], input_pipeline.Split], num_examples: int,
+def eval_batches(load_split: Callable[[tfds.typing.SplitArg], base.Split], num_examples: int,
                  config: ml_collections.ConfigDict,
                  mesh: jax.sharding.Mesh) -> list[input_pipeline.Batch]:
   """The whole eval split as sharded, masked batches; each example counts exactly once.

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
 
-import config_checks
-import input_pipeline
+from data_sources import base
 import models
+from training import config_checks
 
 CHECKPOINT_DIR = 'checkpoints'
 _MAX_LISTED = 6  # Differing keys named in a mismatch error.
@@ -227,7 +227,7 @@ class Checkpointer:
 
 
 def load_latest_model(config: ml_collections.ConfigDict, workdir: str,
-                      info: input_pipeline.DatasetInfo) -> tuple[nnx.Module, int]:
+                      info: base.DatasetInfo) -> tuple[nnx.Module, int]:
   """The model of the latest checkpoint in `workdir`, in eval mode, and its step."""
   model = models.create_compiled(lambda: models.create_model(
       config, info.image_shape, info.num_classes, nnx.Rngs(config.seed)))

@@ -7,11 +7,11 @@ from clu import metric_writers
 import jax
 import ml_collections
 
-import checkpointing
-import config_checks
 import data_sources
-import parallel
 import train
+from training import checkpointing
+from training import config_checks
+from training import parallel
 
 EVAL_DIR = 'eval_only'  # TensorBoard run (a subdirectory of the workdir) of eval-only results.
 
@@ -21,11 +21,12 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   config_checks.check_config(config)
   mesh = parallel.create_mesh()
   jax.set_mesh(mesh)  # As in training: the model is replicated, eval batches are sharded.
-  info, load_split = data_sources.open_source(config)
+  source = data_sources.open_source(config)
+  info = source.info(config)
   model, step = checkpointing.load_latest_model(config, workdir, info)
   logging.info('Evaluating the checkpoint at step %d on %s %r.', step, config.dataset,
                config.eval_split)
-  eval_batches = parallel.eval_batches(load_split, info.num_eval_examples, config, mesh)
+  eval_batches = parallel.eval_batches(source.load_split, info.num_eval_examples, config, mesh)
   metrics, _ = train.evaluate(model, eval_batches)
   writer = metric_writers.create_default_writer(os.path.join(workdir, EVAL_DIR),
                                                 just_logging=jax.process_index() > 0)

@@ -1,7 +1,7 @@
 """The classic "PyTorch loads, JAX computes" input pipeline: a torch DataLoader of NumPy batches.
 
-The alternative to `input_pipeline.train_batches` for `config.input_backend='torch'`, with the
-same output, so the same train step consumes it: chunks {'image': (K, B, H, W, C) float32 in
+`input_pipeline.train_batches` for `config.input_backend='torch'`, with the tf.data path's
+output, so the same train step consumes it: chunks {'image': (K, B, H, W, C) float32 in
 [0, 1], 'label': (K, B) int32} with K = `config.steps_per_dispatch`, the incomplete final batch
 of an epoch dropped, and every epoch shuffled (fully, whatever `config.shuffle_buffer_size`)
 from its own seed, so that a run can restart at any epoch and see the same data.
@@ -16,13 +16,14 @@ import numpy as np
 import torch
 from torch.utils import data as torch_data
 
+from data_sources import base
 import input_pipeline
 
 
 class _Examples(torch_data.Dataset):
   """A `Split` as a map-style dataset of (normalised image, label) NumPy examples."""
 
-  def __init__(self, split: input_pipeline.Split):
+  def __init__(self, split: base.Split):
     self.split = split
 
   def __len__(self) -> int:
@@ -39,8 +40,8 @@ def numpy_collate(batch: list[input_pipeline.Batch]) -> input_pipeline.Batch:
   return jax.tree.map(np.asarray, torch_data.default_collate(batch))
 
 
-def train_batches(split: input_pipeline.Split, config: ml_collections.ConfigDict,
-                  start_epoch: int = 0, start_step: int = 0) -> Iterator[input_pipeline.Batch]:
+def dataloader_batches(split: base.Split, config: ml_collections.ConfigDict, start_epoch: int,
+                       start_step: int) -> Iterator[input_pipeline.Batch]:
   """Yields chunks of training batches from batch `start_step` of `start_epoch` to the end."""
   examples = _Examples(split)
   for epoch in range(start_epoch, config.num_epochs):

@@ -14,9 +14,9 @@ import ml_collections
 import numpy as np
 import tensorflow as tf
 
-import checkpointing
-import config_checks
 import data_sources
+from training import checkpointing
+from training import config_checks
 
 EXPORT_DIR = 'export'
 
@@ -24,7 +24,7 @@ EXPORT_DIR = 'export'
 def export_saved_model(config: ml_collections.ConfigDict, workdir: str) -> str:
   """Writes the latest checkpoint's model to `<workdir>/export`; returns that path."""
   config_checks.check_config(config)
-  info, _ = data_sources.open_source(config)
+  info = data_sources.open_source(config).info(config)
   model, step = checkpointing.load_latest_model(config, workdir, info)
   graphdef, weights, rest = nnx.split(model, (nnx.Param, nnx.BatchStat), ...)
 

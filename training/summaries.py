@@ -19,7 +19,7 @@ import tensorflow as tf
 from tensorboard.plugins.hparams import api as hp
 
 import input_pipeline
-import parallel
+from training import parallel
 
 # Scalars written at every eval that the HParams dashboard shows as metric columns.
 HPARAMS_METRICS = ('eval_accuracy', 'eval_loss')
@@ -31,9 +31,11 @@ _CELL = 36  # Pixels per confusion-matrix cell.
 def write_config(writer: metric_writers.MetricWriter, workdir: str,
                  config: ml_collections.ConfigDict) -> None:
   """Writes the resolved config as HParams (with `HPARAMS_METRICS`) and as a text summary."""
-  # TensorBoard hparams are bool/int/float/str; an unset placeholder (None) has no value to show.
-  hparams = {key: value for key, value in parameter_overview.flatten_dict(
-      config.to_dict(), delimiter='.').items() if value is not None}
+  # TensorBoard hparams are bool/int/float/str: tuples are shown as their text, and an unset
+  # placeholder (None) has no value to show.
+  hparams = {key: str(value) if isinstance(value, (tuple, list)) else value
+             for key, value in parameter_overview.flatten_dict(
+                 config.to_dict(), delimiter='.').items() if value is not None}
   if jax.process_index() == 0:
     hparams_writer = tf.summary.create_file_writer(workdir)
     with hparams_writer.as_default():

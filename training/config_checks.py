@@ -1,14 +1,16 @@
 """Checks a config and workdir before any data is read or any code is compiled."""
 
 import importlib
+import inspect
 import os
 import tempfile
 
 import ml_collections
 
 import data_sources
+import kernels
 import models
-import optimizers
+from training import optimizers
 
 
 class ConfigError(ValueError):
@@ -24,9 +26,10 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   """Checks every value that can be judged without the data."""
   _check_data_source(config)
   for key, valid in (('model', models.MODELS), ('optimizer', optimizers.OPTIMIZERS),
-                     ('schedule', optimizers.SCHEDULES)):
+                     ('schedule', optimizers.SCHEDULES), ('cpu_kernels', kernels.CPU_KERNELS)):
     _require(config[key] in valid,
              f'Unknown {key} {config[key]!r}: config.{key} must be one of {sorted(valid)}.')
+  _check_model_options(config)
   for key in ('batch_size', 'eval_batch_size', 'num_epochs', 'steps_per_dispatch',
               'log_every_steps', 'shuffle_buffer_size', 'checkpoint_every_steps',
               'max_checkpoints_to_keep'):
@@ -43,6 +46,20 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   _require(0 <= config.warmup_epochs <= config.num_epochs,
            f'config.warmup_epochs={config.warmup_epochs!r} is invalid: it must be in '
            f'[0, num_epochs={config.num_epochs}].')
+
+
+def _check_model_options(config: ml_collections.ConfigDict) -> None:
+  """Checks that `config.model`'s constructor takes every option in its config section."""
+  parameters = inspect.signature(models.MODELS[config.model]).parameters
+  if any(parameter.kind == parameter.VAR_KEYWORD for parameter in parameters.values()):
+    return
+  options = [name for name, parameter in parameters.items()
+             if parameter.kind == parameter.KEYWORD_ONLY and name not in ('layers', 'rngs')]
+  for name in models.model_options(config):
+    _require(name in options,
+             f'config.model_options.{config.model}.{name} is not an option of model '
+             f'{config.model!r} ({models.MODELS[config.model].__name__}); its options: '
+             f'{", ".join(options) or "none"}.')
 
 
 def _check_data_source(config: ml_collections.ConfigDict) -> None:

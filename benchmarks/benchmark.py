@@ -1,11 +1,12 @@
 """Measures training speed on real MNIST: this project's train step and, beside it, the reference.
 
-    python benchmark.py --config=configs/default.py --reference --time_to_accuracy
+    python -m benchmarks.benchmark --config=configs/default.py --reference --stock_layers
 
 Each measurement runs in a fresh child process, set up as its program runs by itself: the
-project as `main.py` does (`allocator` first), the reference (the official Flax NNX MNIST
-example's loop, `reference_baseline.py`) as published. With --reference, a third child runs the
-reference with the project's allocator setting, to show what that setting alone gives it.
+project as `main.py` does (with its malloc setting on CPU), the reference (the official Flax NNX
+MNIST example's loop, `benchmarks/reference_mnist.py`) as published. With --reference, another
+child runs the reference with the project's malloc setting, to show what that setting alone
+gives it; with --stock_layers, another runs the project with config.cpu_kernels='off'.
 The children alternate for --rounds rounds, so that a machine's speed drifting over the run
 (shared cloud cores do) hits all of them alike; the table shows each figure's median.
 
@@ -20,8 +21,12 @@ Prints a table and writes everything, every round included, to --json.
 
 import sys
 
-if __name__ == '__main__' and '--keep_freed_memory' in sys.argv:
-  import allocator  # pylint: disable=unused-import  (before any thread allocates, as in main.py)
+from cli import startup  # pylint: disable=g-bad-import-order  (first: it must precede tensorflow)
+
+# As main.py does, before TensorFlow and JAX start their threads (only where asked to, so that
+# the reference can also be measured as published).
+if '--keep_freed_memory' in sys.argv and startup.jax_will_run_on_cpu():
+  startup.keep_freed_memory()
 
 import json
 import os
@@ -42,28 +47,33 @@ from ml_collections import config_flags
 import numpy as np
 import tensorflow as tf
 
+from benchmarks import reference_mnist
 import data_sources
-import parallel
-import reference_baseline
+import input_pipeline
 import train
+from training import parallel
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config to benchmark.')
 flags.DEFINE_integer('steps', 100, 'Training steps timed for throughput and for the breakdown.')
 flags.DEFINE_integer('rounds', 3, 'Alternating rounds of measurements; figures are medians.')
 flags.DEFINE_bool('reference', False, 'Also measure the reference example, side by side.')
+flags.DEFINE_bool('stock_layers', False,
+                  "Also measure the project with config.cpu_kernels='off' (flax's stock layers).")
 flags.DEFINE_bool('time_to_accuracy', False, 'Also train for real until --target_accuracy.')
 flags.DEFINE_float('target_accuracy', 0.99, 'Eval accuracy that ends a time-to-accuracy run.')
 flags.DEFINE_string('json', 'benchmark.json', 'Where to write the figures.')
 # Internal: what a child process measures, and whether it sets up malloc as main.py does.
 flags.DEFINE_enum('measure', None, ['project', 'reference'], 'Measure one program, in-process.')
-flags.DEFINE_bool('keep_freed_memory', False, 'Import `allocator` first, as main.py does.')
+flags.DEFINE_bool('keep_freed_memory', False, "Set malloc up as main.py does on CPU.")
 
-_ROOT = os.path.dirname(os.path.abspath(__file__))
-# Child runs: (name in the table, program measured, with the project's allocator setting).
-_PROJECT = ('project', 'project', True)
-_REFERENCE_RUNS = [('reference', 'reference', False),
-                   ('reference_kept_memory', 'reference', True)]
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Child runs: (name in the table, program measured, with the project's malloc setting, extra
+# flags).
+_PROJECT = ('project', 'project', True, ())
+_STOCK_LAYERS = ('project_stock_layers', 'project', True, ('--config.cpu_kernels=off',))
+_REFERENCE_RUNS = [('reference', 'reference', False, ()),
+                   ('reference_kept_memory', 'reference', True, ())]
 
 
 def best_time(fn: Callable[[], object], repeats: int = 5) -> float:
@@ -126,13 +136,14 @@ def measure_project(config) -> dict[str, float]:
   """The project's figures, through the same data, model and step code as `train`."""
   mesh = parallel.create_mesh()
   jax.set_mesh(mesh)
-  info, load_split = data_sources.open_source(config)
-  train_split, eval_batches = train.load_data(config, info, load_split, mesh)
+  source = data_sources.open_source(config)
+  info = source.info(config)
+  train_split, eval_batches = train.load_data(config, source, info, mesh)
   model, optimizer, _ = train.create_model_and_optimizer(
       config, info, info.num_train_examples // config.batch_size)
   metrics = train.Metrics.empty()
   chunks = (parallel.shard(chunk, mesh, axis=1)
-            for chunk in data_sources.train_batches(train_split, config))
+            for chunk in input_pipeline.train_batches(train_split, config))
   first = next(chunks)
   examples_per_call = first['label'].size
   compile_s, flops = flops_per_example(train.train_steps, model, optimizer, metrics, first,
@@ -152,20 +163,20 @@ def measure_project(config) -> dict[str, float]:
 
 
 def measure_reference(config) -> dict[str, float]:
-  train_ds, test_ds = reference_baseline.datasets(config.data_dir)
-  model, optimizer, metrics = reference_baseline.create()
+  train_ds, test_ds = reference_mnist.datasets(config.data_dir)
+  model, optimizer, metrics = reference_mnist.create()
   batches = train_ds.repeat().as_numpy_iterator()
   first = next(batches)
-  compile_s, flops = flops_per_example(reference_baseline.train_step, model, optimizer,
+  compile_s, flops = flops_per_example(reference_mnist.train_step, model, optimizer,
                                        metrics, first, examples=len(first['label']))
 
   def step(batch):
-    reference_baseline.train_step(model, optimizer, metrics, batch)
+    reference_mnist.train_step(model, optimizer, metrics, batch)
     return nnx.state(model)
 
   results = measure_training(step, batches, len(first['label']), FLAGS.steps)
-  reference_baseline.evaluate(model, metrics, test_ds)  # Compile.
-  eval_s = best_time(lambda: reference_baseline.evaluate(model, metrics, test_ds), repeats=3)
+  reference_mnist.evaluate(model, metrics, test_ds)  # Compile.
+  eval_s = best_time(lambda: reference_mnist.evaluate(model, metrics, test_ds), repeats=3)
   num_eval = sum(len(batch['label']) for batch in test_ds.as_numpy_iterator())
   return {'compile_s': compile_s, 'flops_per_example': flops, **results,
           'eval_examples_per_sec': num_eval / eval_s}
@@ -182,13 +193,15 @@ def measure(program: str) -> dict[str, float]:
           'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def run_child(program: str, keep_freed_memory: bool) -> dict[str, float]:
-  """`measure(program)` in a fresh process, with this process's flags."""
+def run_child(program: str, keep_freed_memory: bool,
+              extra_flags: tuple[str, ...]) -> dict[str, float]:
+  """`measure(program)` in a fresh process, with this process's flags and `extra_flags`."""
   with tempfile.NamedTemporaryFile(suffix='.json') as out:
     flags_passed = [arg for arg in sys.argv[1:] if not arg.startswith('--json')]
-    command = [sys.executable, __file__, *flags_passed, f'--measure={program}',
-               f'--json={out.name}'] + (['--keep_freed_memory'] if keep_freed_memory else [])
-    subprocess.run(command, check=True)
+    command = [sys.executable, '-m', 'benchmarks.benchmark', *flags_passed, *extra_flags,
+               f'--measure={program}', f'--json={out.name}'] + (
+                   ['--keep_freed_memory'] if keep_freed_memory else [])
+    subprocess.run(command, check=True, cwd=_ROOT)
     with open(out.name) as f:
       return json.load(f)
 
@@ -228,7 +241,7 @@ def time_to_accuracy_runs(config) -> dict[str, dict[str, float]]:
   if FLAGS.reference:
     data_dir = [f'--data_dir={config.data_dir}'] if config.data_dir else []
     runs['reference'] = time_to_accuracy(
-        [sys.executable, 'reference_baseline.py', *data_dir],
+        [sys.executable, '-m', 'benchmarks.reference_mnist', *data_dir],
         r'epoch (\d+) eval_accuracy ([0-9.]+)')
   return runs
 
@@ -241,11 +254,12 @@ def main(argv):
       json.dump(measure(FLAGS.measure), f)
     return
 
-  children = [_PROJECT] + (_REFERENCE_RUNS if FLAGS.reference else [])
-  rounds = {name: [] for name, _, _ in children}
+  children = ([_PROJECT] + ([_STOCK_LAYERS] if FLAGS.stock_layers else [])
+              + (_REFERENCE_RUNS if FLAGS.reference else []))
+  rounds = {name: [] for name, *_ in children}
   for round_index in range(FLAGS.rounds):
-    for name, program, keep_freed_memory in children:
-      rounds[name].append(run_child(program, keep_freed_memory))
+    for name, program, keep_freed_memory, extra_flags in children:
+      rounds[name].append(run_child(program, keep_freed_memory, extra_flags))
       logging.info('round %d %s: %.0f training examples/s', round_index + 1, name,
                    rounds[name][-1]['train_examples_per_sec'])
   runs = {name: {key: float(np.median([figures[key] for figures in measured]))

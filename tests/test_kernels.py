@@ -1,0 +1,103 @@
+"""The XLA:CPU layers equal flax's stock layers, refuse what they do not implement, and are
+chosen in one place."""
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels
+from kernels import cpu
+
+
+def test_select_layers_by_backend_and_switch():
+  assert kernels.select_layers('auto', 'cpu') is kernels.CPU_LAYERS
+  for backend in ('gpu', 'tpu'):
+    assert kernels.select_layers('auto', backend) is kernels.STOCK_LAYERS
+  assert kernels.select_layers('off', 'cpu') is kernels.STOCK_LAYERS
+  with pytest.raises(ValueError, match="Unknown cpu_kernels 'on'"):
+    kernels.select_layers('on', 'cpu')
+
+
+@pytest.mark.parametrize('kernel_size', [(3, 3), (2, 2), (5, 3)])
+@pytest.mark.parametrize('channels,use_bias', [(1, True), (4, False)])
+def test_conv_and_its_gradients_equal_nnx_conv(kernel_size, channels, use_bias):
+  stock = nnx.Conv(channels, 5, kernel_size=kernel_size, use_bias=use_bias, rngs=nnx.Rngs(0))
+  fast = cpu.Conv(channels, 5, kernel_size=kernel_size, use_bias=use_bias, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (3, 9, 8, channels))
+  dy = jax.random.normal(jax.random.key(2), (3, 9, 8, 5))
+  np.testing.assert_array_equal(fast.kernel[...], stock.kernel[...])  # Same parameters.
+  np.testing.assert_allclose(fast(x), stock(x), rtol=1e-5, atol=1e-5)
+  loss = lambda conv, x: (conv(x) * dy).sum()
+  for grad, stock_grad in zip(jax.tree.leaves(nnx.grad(loss, argnums=(0, 1))(fast, x)),
+                              jax.tree.leaves(nnx.grad(loss, argnums=(0, 1))(stock, x))):
+    np.testing.assert_allclose(grad, stock_grad, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize('option', [
+    {'strides': 2}, {'padding': 'VALID'}, {'padding': ((1, 1), (1, 1))}, {'kernel_dilation': 2},
+    {'input_dilation': (2, 2)}, {'feature_group_count': 2}, {'precision': 'highest'},
+    {'preferred_element_type': jnp.float32}, {'kernel_size': (3,)},
+    {'kernel_size': (3, 3, 3)}, {'conv_general_dilated': jax.lax.conv_general_dilated},
+])
+def test_conv_refuses_what_it_does_not_implement(option):
+  arguments = {'kernel_size': (3, 3), **option}
+  with pytest.raises(ValueError, match=r'kernels.cpu.Conv does not implement .*cpu_kernels'):
+    cpu.Conv(4, 4, rngs=nnx.Rngs(0), **arguments)
+
+
+@pytest.mark.parametrize('rate', [0.025, 0.5])
+def test_dropout_drops_its_rate_and_keeps_the_mean(rate):
+  dropout = cpu.Dropout(rate=rate, rngs=nnx.Rngs(0))
+  ones = jnp.ones((1001, 999))
+  first, second = dropout(ones), dropout(ones)
+  dropped = first == 0
+  # 4.5 standard deviations of a binomial count of 1M draws.
+  assert float(dropped.mean()) == pytest.approx(rate, abs=4.5 * np.sqrt(rate * (1 - rate) / 1e6))
+  np.testing.assert_allclose(np.unique(first), [0.0, 1 / (1 - rate)], rtol=1e-6)
+  # Masks of successive calls, and of neighbouring rows and columns, look independent.
+  both = float((dropped & (second == 0)).mean())
+  assert both == pytest.approx(rate**2, abs=4.5 * np.sqrt(rate**2 / 1e6))
+  for a, b in [(dropped[1:], dropped[:-1]), (dropped[:, 1:], dropped[:, :-1])]:
+    assert float((a & b).mean()) == pytest.approx(rate**2, abs=4.5 * np.sqrt(rate**2 / 1e6))
+  dropout.eval()
+  assert jnp.array_equal(dropout(ones), ones)
+
+
+def test_dropout_call_arguments_and_rates_as_the_stock_layer():
+  x = jnp.ones((64, 64))
+  first = cpu.Dropout(rate=0.5, rngs=nnx.Rngs(3))(x)
+  np.testing.assert_array_equal(cpu.Dropout(rate=0.5, rngs=nnx.Rngs(3))(x), first)
+  assert not jnp.array_equal(cpu.Dropout(rate=0.5, rngs=nnx.Rngs(4))(x), first)
+  dropout = cpu.Dropout(rate=0.5)  # No rngs at construction: given at the call.
+  np.testing.assert_array_equal(dropout(x, deterministic=True), x)
+  by_key = dropout(x, rngs=jax.random.key(0))
+  assert 0 < float((by_key == 0).mean()) < 1
+  np.testing.assert_array_equal(dropout(x, rngs=jax.random.key(0)), by_key)
+  for rate in (0.0, 1.0):
+    np.testing.assert_array_equal(cpu.Dropout(rate, rngs=nnx.Rngs(0))(x),
+                                  nnx.Dropout(rate, rngs=nnx.Rngs(0))(x))
+  with pytest.raises(ValueError, match=r'kernels.cpu.Dropout does not implement broadcast_dims'):
+    cpu.Dropout(0.5, broadcast_dims=(0,), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize('shape,window', [((4, 28, 28, 32), (2, 2)), ((2, 7, 9, 3), (2, 2)),
+                                          ((2, 9, 9, 3), (3, 3))])
+def test_avg_pool_and_its_gradient_equal_nnx_avg_pool(shape, window):
+  y = jax.random.normal(jax.random.key(1), shape)  # Odd sizes: 'VALID' drops the rest.
+  fast = lambda y: cpu.avg_pool(y, window_shape=window, strides=window)
+  stock = lambda y: nnx.avg_pool(y, window_shape=window, strides=window)
+  np.testing.assert_allclose(fast(y), stock(y), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(jax.grad(lambda y: (fast(y) ** 2).sum())(y),
+                             jax.grad(lambda y: (stock(y) ** 2).sum())(y), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('arguments', [
+    {'window_shape': (2, 2)}, {'window_shape': (2, 2), 'strides': (1, 1)},
+    {'window_shape': (2, 2), 'strides': (2, 2), 'padding': 'SAME'},
+    {'window_shape': (2,), 'strides': (2,)},
+])
+def test_avg_pool_refuses_what_it_does_not_implement(arguments):
+  with pytest.raises(ValueError, match=r'kernels.cpu.avg_pool does not implement'):
+    cpu.avg_pool(jnp.ones((1, 4, 4, 1)), **arguments)
