@@ -18,6 +18,7 @@ from data_sources import base
 
 Batch = dict[str, np.ndarray]
 _MAP_BLOCK = 1024  # Examples normalised per tf.data map call.
+_PREFETCH_CHUNKS = 2  # Training chunks prepared ahead of the train loop.
 
 
 def _normalize(example: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
@@ -50,7 +51,7 @@ def train_batches(split: base.Split, config: ml_collections.ConfigDict,
 def _tf_data_batches(split: base.Split, config: ml_collections.ConfigDict, start_epoch: int,
                      start_step: int) -> Iterator[Batch]:
   # Normalised once, then kept in memory: later epochs only shuffle and batch. The map runs on
-  # blocks of examples because a per-example map costs ~5 s per pass over MNIST on 2 cores.
+  # blocks of examples because a per-example map costs seconds per pass over MNIST.
   examples = (tf.data.Dataset.from_tensor_slices({'image': split.images, 'label': split.labels})
               .batch(_MAP_BLOCK)
               .map(_normalize)
@@ -65,11 +66,18 @@ def _tf_data_batches(split: base.Split, config: ml_collections.ConfigDict, start
             .skip(tf.cast(epoch == start_epoch, tf.int64) * start_step)  # Already trained on.
             .batch(config.steps_per_dispatch))
 
+  # tf.data's autotuning is off: with it on, reaching the end of the last epoch sometimes took
+  # as long as the whole run had taken (about 1 run in 3 here, TF 2.21: a `main.py` that hung
+  # after its last checkpoint). Two chunks ahead is all the train loop consumes.
+  options = tf.data.Options()
+  options.autotune.enabled = False
   epochs = tf.data.Dataset.range(start_epoch, config.num_epochs, output_type=tf.int64)
-  yield from epochs.flat_map(one_epoch).prefetch(tf.data.AUTOTUNE).as_numpy_iterator()
+  yield from (epochs.flat_map(one_epoch).prefetch(_PREFETCH_CHUNKS).with_options(options)
+              .as_numpy_iterator())
 
 
-def eval_batches(split: base.Split, batch_size: int, num_batches: int | None = None) -> list[Batch]:
+def eval_batches(split: base.Split, batch_size: int,
+                 num_batches: int | None = None) -> list[Batch]:
   """The whole split as equal-sized batches, each example exactly once.
 
   The last batch is padded with zero images; `mask` is 1 for real examples and 0 for padding,

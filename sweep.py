@@ -94,6 +94,15 @@ def resolve_config(config_file: str, args: tuple[str, ...]):
   return flag_values.config
 
 
+def _has_key(config, dotted_key: str) -> bool:
+  """Whether `config` has `dotted_key`, such as 'learning_rate' or 'model_options.cnn.x'."""
+  for key in dotted_key.split('.'):
+    if not hasattr(config, 'keys') or key not in config:
+      return False
+    config = config[key]
+  return True
+
+
 def plan_runs(config_file: str, overrides: dict[str, str],
               sweep: dict[str, list[str]]) -> list[Run]:
   """Every run of `sweep` (product of its values), each with `overrides`, all checked.
@@ -106,9 +115,10 @@ def plan_runs(config_file: str, overrides: dict[str, str],
                      f'in {config_file}.')
   config = resolve_config(config_file, ())
   for key, values in sweep.items():
-    if key not in config:
+    if not _has_key(config, key):
       raise SweepError(f'Sweep key {key!r} is not in the config; valid keys: '
-                       f'{", ".join(sorted(config))}.')
+                       f'{", ".join(sorted(config))} (nested ones with dots, such as '
+                       "'model_options.cnn.dropout_rate').")
     if key in overrides:
       raise SweepError(f'config.{key} is both swept and set by --config.{key}: drop one.')
     if not values or '' in values:

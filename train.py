@@ -226,5 +226,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     checkpoints.maybe_save(first_step, step, num_steps, model, optimizer,
                            (window_metrics, epoch_metrics), steps_per_epoch)
 
-  writer.flush()
+  writer.close()
+  checkpoints.close()
   return final_metrics

@@ -233,11 +233,11 @@ def time_to_accuracy(command: list[str], pattern: str) -> dict[str, float]:
 
 
 def time_to_accuracy_runs(config) -> dict[str, dict[str, float]]:
-  data_dir = [f'--config.data_dir={config.data_dir}'] if config.data_dir else []
+  overrides = [arg for arg in sys.argv[1:] if arg.startswith('--config.')]  # As for the others.
   with tempfile.TemporaryDirectory() as workdir:
     runs = {'project': time_to_accuracy(
         [sys.executable, 'main.py', f'--config={FLAGS["config"].config_filename}',
-         f'--workdir={workdir}', *data_dir], r'epoch (\d+)/\d+: .*eval_accuracy=([0-9.]+)')}
+         f'--workdir={workdir}', *overrides], r'epoch (\d+)/\d+: .*eval_accuracy=([0-9.]+)')}
   if FLAGS.reference:
     data_dir = [f'--data_dir={config.data_dir}'] if config.data_dir else []
     runs['reference'] = time_to_accuracy(

@@ -32,6 +32,10 @@ def parse_flags(argv: list[str]) -> list[str]:
   A missing or broken config file and an unknown or mistyped `--config.<key>` end the process
   with one line naming the file or key, instead of a traceback from inside ml_collections.
   """
+  config_file = _config_argument(argv).split(':')[0]  # 'file.py:arg' passes arg to get_config().
+  if config_file and not os.path.isfile(config_file):  # Before ml_collections logs a traceback.
+    sys.exit(f'Config error: cannot read the config file {config_file!r} (no such file): pass '
+             '--config=PATH of a Python file with get_config(), such as configs/default.py.')
   try:
     rest = flags.FLAGS(argv)
     flags.FLAGS['config'].value  # pylint: disable=pointless-statement  (loads the file now)

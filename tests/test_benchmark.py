@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # Launches main.py / the benchmark on real MNIST.
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

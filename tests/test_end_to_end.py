@@ -4,8 +4,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tensorboard.backend.event_processing import event_accumulator
 import tensorflow as tf
+
+pytestmark = pytest.mark.slow  # Launches main.py / the benchmark on real MNIST.
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TAGS = {'train_loss', 'train_accuracy', 'eval_loss', 'eval_accuracy', 'eval_num_examples',

@@ -78,6 +78,7 @@ print('RESULT', json.dumps(out))
 '''
 
 
+@pytest.mark.slow
 def test_four_devices_match_one_device_on_the_same_global_batch(tfds_data_dir):
   env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=4',
          'JAX_PLATFORMS': 'cpu'}
@@ -107,6 +108,7 @@ def test_batch_size_must_divide_by_the_device_count():
   config_checks.check_against_devices(config, num_devices=2)
 
 
+@pytest.mark.slow
 def test_bad_process_flags_exit_with_the_fix(tmp_path):
   result = subprocess.run(
       [sys.executable, 'main.py', '--config=configs/default.py', f'--workdir={tmp_path}',
@@ -133,6 +135,7 @@ def _free_port() -> int:
     return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process(tfds_data_dir, tmp_path):
   """Two processes on 127.0.0.1 (gloo collectives) give the same run as one process.
 

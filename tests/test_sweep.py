@@ -66,6 +66,7 @@ def _sweep(workdir, *args, data_dir):
       cwd=ROOT, capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.slow
 def test_bad_spec_fails_before_any_run(tmp_path):
   workdir = tmp_path / 'sweep'
   result = subprocess.run(
@@ -86,6 +87,7 @@ def finished_sweep(tfds_data_dir, tmp_path_factory):
   return workdir
 
 
+@pytest.mark.slow
 def test_sweep_runs_tables_and_skips_when_rerun(finished_sweep, tfds_data_dir):
   run_dirs = {path.name for path in finished_sweep.iterdir() if path.is_dir()}
   assert run_dirs == RUNS
@@ -111,6 +113,7 @@ def test_sweep_runs_tables_and_skips_when_rerun(finished_sweep, tfds_data_dir):
     assert list(csv.DictReader(f)) == rows
 
 
+@pytest.mark.slow
 def test_rerun_with_other_settings_is_refused(finished_sweep, tfds_data_dir):
   result = _sweep(finished_sweep, '--config.seed=1', data_dir=tfds_data_dir)
   assert result.returncode == 1
@@ -131,6 +134,7 @@ def _get(url, body=None):
     return json.load(response)
 
 
+@pytest.mark.slow
 def test_tensorboard_serves_scalars_hparams_and_images(finished_sweep):
   port = _free_port()
   url = f'http://127.0.0.1:{port}/data'

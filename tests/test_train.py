@@ -100,7 +100,7 @@ def _key_data(x):
 def test_train_step_lowers_loss_on_a_fixed_batch(tfds_data_dir):
   config = default.get_config()
   config.data_dir = tfds_data_dir
-  split = (tfds_source.TfdsSource('mnist', config.data_dir), 'train[:128]')
+  split = tfds_source.TfdsSource('mnist', config.data_dir).load_split('train[:128]')
   batch = {'image': split.images[None].astype(np.float32) / 255, 'label': split.labels[None]}
   model, optimizer = _setup()
   before = _loss_without_dropout(model, batch)

@@ -111,6 +111,10 @@ class Checkpointer:
     self._handlers = {}  # The signal handlers replaced while training.
     self._checked_step = 0  # Last step whose training loss was checked to be finite.
 
+  def close(self) -> None:
+    """Waits for Orbax's background work (such as deleting old checkpoints) and ends it."""
+    self._manager.close()
+
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 

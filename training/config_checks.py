@@ -50,7 +50,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
 
 def _check_model_options(config: ml_collections.ConfigDict) -> None:
   """Checks that `config.model`'s constructor takes every option in its config section."""
-  parameters = inspect.signature(models.MODELS[config.model]).parameters
+  parameters = inspect.signature(models.MODELS[config.model].__init__).parameters
   if any(parameter.kind == parameter.VAR_KEYWORD for parameter in parameters.values()):
     return
   options = [name for name, parameter in parameters.items()
