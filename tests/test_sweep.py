@@ -29,6 +29,15 @@ def test_plan_is_the_product_with_overrides():
                           '--config.batch_size=128')
 
 
+def test_nested_keys_sweep():
+  runs = _plan('model_options.cnn.dropout_rate=0.0,0.1')
+  assert [run.args for run in runs] == [('--config.model_options.cnn.dropout_rate=0.0',),
+                                        ('--config.model_options.cnn.dropout_rate=0.1',)]
+  with pytest.raises(sweep.SweepError, match=r"Sweep key 'model_options.cnn.dropout' is not in "
+                                             r'the config'):
+    _plan('model_options.cnn.dropout=0.0,0.1')
+
+
 def test_get_sweep_in_config_file():
   runs = sweep.plan_runs('configs/lr_sweep.py', {},
                          sweep.sweep_from_config_file('configs/lr_sweep.py'))
