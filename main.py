@@ -12,8 +12,7 @@ import sys
 
 from cli import startup  # pylint: disable=g-bad-import-order  (first: it must precede tensorflow)
 
-# Before TensorFlow and JAX start their threads; see startup.keep_freed_memory.
-MALLOC_TUNED = startup.jax_will_run_on_cpu() and startup.keep_freed_memory()
+MALLOC_TUNED = startup.tune_malloc_for_cpu()  # Before TensorFlow and JAX start their threads.
 
 from absl import app
 from absl import flags

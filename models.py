@@ -78,8 +78,7 @@ def model_options(config: ml_collections.ConfigDict) -> dict:
 
 def create_model(config: ml_collections.ConfigDict, image_shape: tuple[int, int, int],
                  num_classes: int, rngs: nnx.Rngs) -> nnx.Module:
-  """Builds `config.model` for images of `image_shape`, from the layers `config.cpu_kernels`
-  selects for this backend."""
+  """Builds `config.model` for `image_shape` from the layers `config.cpu_kernels` selects."""
   if config.model not in MODELS:
     raise ValueError(
         f'Unknown model {config.model!r}: config.model must be one of {sorted(MODELS)}.')

@@ -25,8 +25,8 @@ from cli import startup  # pylint: disable=g-bad-import-order  (first: it must p
 
 # As main.py does, before TensorFlow and JAX start their threads (only where asked to, so that
 # the reference can also be measured as published).
-if '--keep_freed_memory' in sys.argv and startup.jax_will_run_on_cpu():
-  startup.keep_freed_memory()
+if '--keep_freed_memory' in sys.argv:
+  startup.tune_malloc_for_cpu()
 
 import json
 import os

@@ -44,8 +44,8 @@ def parse_flags(argv: list[str]) -> list[str]:
     sys.exit(f'Flag error: {str(error).splitlines()[0]} (see --helpfull).')
   except OSError as error:  # ml_collections' "Failed loading config file ...".
     reason = str(error).splitlines()[-1].strip()
-    sys.exit(f'Config error: cannot read the config file {_config_argument(argv)!r} ({reason}): '
-             'pass --config=PATH of a Python file with get_config(), such as configs/default.py.')
+    sys.exit(f'Config error: cannot read the config file {config_file!r} ({reason}): pass '
+             '--config=PATH of a Python file with get_config(), such as configs/default.py.')
   except SyntaxError as error:
     sys.exit(f'Config error: the config file {error.filename} has a syntax error at line '
              f'{error.lineno}: {error.msg}.')
@@ -59,8 +59,8 @@ def parse_flags(argv: list[str]) -> list[str]:
                f'{" (" + hint[0].strip() + ")" if hint else ""}; the keys are listed in the '
                'config file and by --config=... --helpfull.')
     if 'get_config' in str(error):
-      sys.exit(f'Config error: the config file {_config_argument(argv)!r} has no get_config() '
-               'function returning an ml_collections.ConfigDict.')
+      sys.exit(f'Config error: the config file {config_file!r} has no get_config() function '
+               'returning an ml_collections.ConfigDict.')
     raise
 
 
@@ -78,7 +78,7 @@ def jax_will_run_on_cpu() -> bool:
   """Whether JAX's default backend will be XLA:CPU, judged without starting JAX.
 
   Asking JAX (`jax.default_backend()`) starts its runtime and threads, too late for
-  `keep_freed_memory`. JAX runs on the CPU when $JAX_PLATFORMS names cpu first, or when no
+  `tune_malloc_for_cpu`. JAX runs on the CPU when $JAX_PLATFORMS names cpu first, or when no
   accelerator plugin (CUDA, ROCm, TPU) is installed.
   """
   if platforms := os.environ.get('JAX_PLATFORMS'):
@@ -88,18 +88,24 @@ def jax_will_run_on_cpu() -> bool:
               or importlib.util.find_spec('libtpu'))
 
 
-def keep_freed_memory() -> bool:
-  """Sets glibc's malloc to keep and reuse freed memory; returns whether it could.
+def tune_malloc_for_cpu() -> bool:
+  """`keep_freed_memory()` when JAX will run on the CPU; returns whether malloc was tuned.
 
   Call it first thing in the process, before TensorFlow or JAX start threads (each thread that
   allocated before keeps its own arena, and the setting then gains little).
+  """
+  return jax_will_run_on_cpu() and keep_freed_memory()
+
+
+def keep_freed_memory() -> bool:
+  """Sets glibc's malloc to keep and reuse freed memory; returns whether it could.
 
   XLA:CPU allocates an executable's scratch memory on every call and frees it after. glibc
   serves a block that large with a fresh `mmap` and returns it with `munmap`, so every train
   step faults in thousands of zeroed pages again. One malloc arena for all threads, no `mmap`
   and no trimming keep that memory mapped and reused. Python's own allocations are unaffected.
-  Measured on XLA:CPU only (docs/performance.md), so main.py calls it when
-  `jax_will_run_on_cpu()`. Does nothing where libc is not glibc.
+  Measured on XLA:CPU only (docs/performance.md), hence `tune_malloc_for_cpu`. Does nothing
+  where libc is not glibc.
   """
   if not sys.platform.startswith('linux'):
     return False

@@ -9,7 +9,14 @@ import pytest
 from cli import startup  # pylint: disable=g-bad-import-order  (first: it must precede tensorflow)
 
 # In-process training in the tests runs as it does in main.py.
-startup.jax_will_run_on_cpu() and startup.keep_freed_memory()
+startup.tune_malloc_for_cpu()
+
+def requires_extras(*packages: str) -> None:
+  """Skips the calling test (or fixture) unless the optional packages it needs are installed."""
+  for package in packages:
+    pytest.importorskip(package, reason=f'{package!r} is an optional extra: pip install -r '
+                        'requirements-extras.txt')
+
 
 SHARED_MNIST = pathlib.Path(__file__).resolve().parents[2] / 'shared' / 'datasets' / 'mnist'
 

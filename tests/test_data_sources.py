@@ -20,15 +20,9 @@ import input_pipeline
 import train
 from configs import default
 from conftest import SHARED_MNIST
+from conftest import requires_extras
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _requires(*packages):
-  """Skips the calling test (or fixture) unless the optional extras it needs are installed."""
-  for package in packages:
-    pytest.importorskip(package, reason=f'{package!r} is an optional extra: pip install -r '
-                        'requirements-extras.txt')
 
 
 def _config(**overrides):
@@ -60,7 +54,7 @@ def tfds_splits(tfds_data_dir):
 @pytest.fixture(scope='module')
 def huggingface_dir(tfds_splits, tmp_path_factory):
   """A local Hugging Face DatasetDict of those images as PIL images, as a user would save one."""
-  _requires('datasets')
+  requires_extras('datasets')
   import datasets  # pylint: disable=g-import-not-at-top  (optional)
   features = datasets.Features({'img': datasets.Image(),
                                 'digit': datasets.ClassLabel(num_classes=10)})
@@ -102,7 +96,7 @@ def test_to_split_adds_the_channel_axis_and_casts_labels():
 
 
 def test_torchvision_mnist_equals_tfds(torchvision_root, tfds_data_dir, tfds_splits):
-  _requires('torchvision')
+  requires_extras('torchvision')
   config = _config(data_source='torchvision', dataset='MNIST', data_dir=torchvision_root)
   source = data_sources.open_source(config)
   info, load_split = source.info(config), source.load_split
@@ -143,7 +137,7 @@ def test_huggingface_local_dataset(huggingface_dir, tfds_splits):
 
 
 def test_missing_data_says_where_it_looked(tmp_path):
-  _requires('torchvision', 'datasets')
+  requires_extras('torchvision', 'datasets')
   config = _config(data_source='torchvision', dataset='MNIST', data_dir=str(tmp_path))
   with pytest.raises(RuntimeError, match=str(tmp_path / 'MNIST' / 'raw')):
     data_sources.open_source(config)
@@ -195,7 +189,7 @@ def _layout(chunk):
 
 
 def test_torch_batches_match_the_tf_pipeline():
-  _requires('torch')
+  requires_extras('torch')
   from data_sources import torch_loader  # pylint: disable=g-import-not-at-top  (optional)
   split = _split(100)
   options = dict(batch_size=8, num_epochs=2, steps_per_dispatch=5)
@@ -220,7 +214,7 @@ def test_torch_batches_match_the_tf_pipeline():
 
 @pytest.mark.slow
 def test_torchvision_cli_run_scores_98_percent(torchvision_root, tmp_path):
-  _requires('torchvision')
+  requires_extras('torchvision')
   # The issue's command: one epoch of the default CNN on all 60,000 torchvision training images.
   result = subprocess.run(
       [sys.executable, 'main.py', '--config=configs/default.py', f'--workdir={tmp_path}',
@@ -237,7 +231,7 @@ def test_torchvision_cli_run_scores_98_percent(torchvision_root, tmp_path):
 @pytest.mark.slow
 def test_short_runs_through_huggingface_and_the_torch_backend(torchvision_root, huggingface_dir,
                                                              tmp_path):
-  _requires('torchvision', 'torch')
+  requires_extras('torchvision', 'torch')
   # 100 steps each on real training images, then scored on the 10,000 real test images.
   runs = {
       'torch_backend': _config(data_source='torchvision', dataset='MNIST',

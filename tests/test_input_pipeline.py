@@ -14,6 +14,7 @@ import tensorflow_datasets as tfds
 import data_sources
 import input_pipeline
 from configs import default
+from conftest import requires_extras
 
 
 def _split(num_examples, image_shape=(6, 5, 1), seed=0):
@@ -81,8 +82,7 @@ def test_start_epoch_continues_the_same_order():
 @pytest.mark.parametrize('backend', data_sources.INPUT_BACKENDS)
 def test_mid_epoch_start_step_gives_the_remaining_chunks(backend):
   if backend == 'torch':
-    pytest.importorskip('torch', reason="'torch' is an optional extra: pip install -r "
-                        'requirements-extras.txt')
+    requires_extras('torch')
   split = _split(100)
   config = _config(num_epochs=3, steps_per_dispatch=3, input_backend=backend)
   full = list(input_pipeline.train_batches(split, config))  # 4 chunks of 3 steps per epoch.
