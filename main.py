@@ -8,6 +8,7 @@ On several hosts, run the same command on each with `--coordinator_address=HOST:
 --num_processes=N --process_id=I` (see README.md).
 """
 
+import contextlib
 import gc
 import sys
 
@@ -22,12 +23,14 @@ import jax
 from ml_collections import config_flags
 import tensorflow as tf
 
+from data_sources import base
 from modes import evaluate
 from modes import export
 import train
 from training import checkpointing
 from training import config_checks
 from training import parallel
+from training import workdirs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Directory for TensorBoard summaries and checkpoints.')
@@ -56,15 +59,28 @@ def main(argv):
                jax.process_index(), jax.process_count(), jax.local_devices(), MALLOC_TUNED)
   run = {'train': train.train_and_evaluate, 'eval': evaluate.evaluate_checkpoint,
          'export': export.export_saved_model}[FLAGS.mode]
+  # One training run per workdir; eval and export only read it, so they may run beside it.
+  hold = workdirs.hold if FLAGS.mode == 'train' else contextlib.nullcontext
   try:
-    run(FLAGS.config, FLAGS.workdir)
+    with hold(FLAGS.workdir):
+      run(FLAGS.config, FLAGS.workdir)
   except config_checks.ConfigError as error:
     sys.exit(f'Config error: {error}')
+  except base.DataError as error:
+    sys.exit(f'Data error: {error}')
   except checkpointing.NonFiniteError as error:
     sys.exit(f'Training halted: {error}')
   except checkpointing.Interrupted as error:
     logging.warning('%s', error)
     sys.exit(128 + error.signum)  # The shell convention for "stopped by this signal".
+  except Exception as error:  # pylint: disable=broad-except  (re-raised unless an OS error)
+    # A full disk or lost permissions, met by a checkpoint or summary write: not a bug.
+    if (reason := checkpointing.io_failure(error)) is None:
+      raise
+    if isinstance(error, checkpointing.SaveError):
+      sys.exit(f'I/O error: {error}')
+    sys.exit(f'I/O error: {reason} while writing to {FLAGS.workdir}: free some space (or fix '
+             'the permissions) and rerun the same command; the checkpoints saved so far are kept.')
   finally:
     # The interpreter's last garbage collections at exit walk every object TensorFlow created
     # (~2 s on 2 cores); the run has closed its writers and checkpoints, so they are skipped.

@@ -24,6 +24,7 @@ from training import config_checks
 from training import optimizers
 from training import parallel
 from training import summaries
+from training import workdirs
 
 
 @flax.struct.dataclass
@@ -152,6 +153,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   config_checks.check_config(config)
   config_checks.check_workdir(workdir)
   config_checks.check_against_devices(config, jax.device_count())
+  checkpoints = checkpointing.Checkpointer(workdir, config)
+  workdirs.check_resume_config(config, workdir, has_checkpoint=bool(checkpoints.all_steps()))
   mesh = parallel.create_mesh()
   jax.set_mesh(mesh)  # Model state and metrics are created replicated over all devices.
 
@@ -174,7 +177,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                    else None)
   parameter_overview.log_parameter_overview(nnx.state(model, nnx.Param).to_pure_dict(),
                                             msg=f'{config.model} parameters')
-  checkpoints = checkpointing.Checkpointer(workdir, config)
   # Window (since the last train-metrics write) and epoch metrics continue where they stopped.
   step, (window_metrics, epoch_metrics) = checkpoints.restore_training(
       model, optimizer, (Metrics.empty(), Metrics.empty()), steps_per_epoch)

@@ -1,8 +1,9 @@
-"""The interface every data source implements: a dataset's metadata and its splits in memory.
+"""The interface every data source implements: a dataset's metadata and its splits.
 
-A source answers, cheaply, what the model and the config checks need (image shape, class count,
-split sizes), and decodes a split into a `Split` only when asked. Split names use TFDS's syntax
-for every source ('train', 'train[:2560]', 'train[:90%]+test').
+A source answers, cheaply, what the model and the config checks need (image shape, class names,
+split sizes), and decodes a split only when asked: into memory as a `Split`, or, for sources
+that can, streamed from its files as a tf.data pipeline (`examples`). Split names use TFDS's
+syntax for every source ('train', 'train[:2560]', 'train[:90%]+test').
 """
 
 import abc
@@ -12,17 +13,25 @@ import dataclasses
 from absl import logging
 import ml_collections
 import numpy as np
+import tensorflow as tf
 import tensorflow_datasets as tfds
+
+SplitArg = tfds.typing.SplitArg  # A split spec such as 'train[:90%]', or one process's slice.
+_MATERIALIZE_BLOCK = 1024  # Examples per tf.data batch when a streamed split is read into memory.
+
+class DataError(ValueError):
+  """Data that is missing or does not fit the config; the message names the value and the fix."""
 
 
 @dataclasses.dataclass(frozen=True)
 class DatasetInfo:
   """What the model and the train loop need to know about the data."""
   name: str
-  image_shape: tuple[int, int, int]  # (height, width, channels).
+  image_shape: tuple[int, int, int]  # (height, width, channels) as the model sees them.
   num_classes: int
   num_train_examples: int
   num_eval_examples: int
+  class_names: tuple[str, ...] = ()  # Label i is class_names[i]; () = unnamed.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +49,8 @@ class DataSource(abc.ABC):
 
   @property
   @abc.abstractmethod
-  def image_shape(self) -> tuple[int, int, int]:
-    """(height, width, channels) of every image."""
+  def image_shape(self) -> tuple[int | None, int | None, int]:
+    """(height, width, channels) of every image; height and width are None if they vary."""
 
   @property
   @abc.abstractmethod
@@ -52,16 +61,52 @@ class DataSource(abc.ABC):
   def num_examples(self, split: str) -> int:
     """The number of examples of a split spec such as 'train[:90%]'."""
 
+  @property
+  def class_names(self) -> tuple[str, ...]:
+    """The name of each label; the label numbers unless the source knows names."""
+    return tuple(str(label) for label in range(self.num_classes))
+
   @abc.abstractmethod
-  def load_split(self, split: tfds.typing.SplitArg) -> Split:
-    """Decodes a split into memory, in the source's order."""
+  def load_split(self, split: SplitArg) -> Split:
+    """Decodes a split into memory, in the source's order (its images must have one size)."""
+
+  def examples(self, split: SplitArg, shuffle_seed: int | None = None) -> tf.data.Dataset:
+    """The split streamed from its files, never whole in memory, for sources that can.
+
+    Examples are {'image': uint8 (height, width, channels), 'label': int32}, decoded in parallel,
+    in a deterministic order: the source's order, or with `shuffle_seed` its files (or file
+    shards) in an order drawn from that seed.
+    """
+    raise NotImplementedError(f'{type(self).__name__} reads splits into memory only.')
 
   def info(self, config: ml_collections.ConfigDict) -> DatasetInfo:
-    """The metadata of the config's training and eval splits."""
-    return DatasetInfo(name=self.name, image_shape=tuple(self.image_shape),
+    """The metadata of the config's splits (which must not be empty) and model input.
+
+    The image shape is the one after resizing to `config.image_size`; images of varying sizes
+    need that setting.
+    """
+    height, width, channels = self.image_shape
+    if config.image_size:
+      height = width = config.image_size
+    elif height is None or width is None:
+      raise DataError(f'The images of {self.name} vary in size: set --config.image_size=S to '
+                      'resize them all to SxS pixels (e.g. the size of most of them).')
+    return DatasetInfo(name=self.name, image_shape=(height, width, channels),
                        num_classes=self.num_classes,
-                       num_train_examples=self.num_examples(config.train_split),
-                       num_eval_examples=self.num_examples(config.eval_split))
+                       num_train_examples=self._split_size(config, 'train_split'),
+                       num_eval_examples=self._split_size(config, 'eval_split'),
+                       class_names=tuple(self.class_names))
+
+  def _split_size(self, config: ml_collections.ConfigDict, key: str) -> int:
+    try:
+      size = self.num_examples(config[key])
+    except (KeyError, ValueError) as error:  # TFDS's messages name the valid splits.
+      raise DataError(f'config.{key}={config[key]!r} is not a split of {self.name}: '
+                      f'{" ".join(str(error).split())}') from error
+    if not size:
+      raise DataError(f'config.{key}={config[key]!r} selects no examples of {self.name}: '
+                      'widen the slice, e.g. "train[:90%]".')
+    return size
 
 
 class RangeSource(DataSource):
@@ -86,12 +131,13 @@ class RangeSource(DataSource):
   def num_classes(self) -> int:
     return self._num_classes
 
-  def _ranges(self, spec: str) -> list[tuple[str, slice]]:
+  def _ranges(self, spec: SplitArg) -> list[tuple[str, slice]]:
     """The (split, slice) pairs that a TFDS split spec such as 'train[:90%]+test' names."""
     infos = {name: tfds.core.SplitInfo(name=name, shard_lengths=[size], num_bytes=0)
              for name, size in self._sizes.items()}
-    return [(part.splitname, slice(part.from_, part.to))
-            for part in tfds.core.ReadInstruction.from_spec(spec).to_absolute(infos)]
+    if isinstance(spec, str):
+      spec = tfds.core.ReadInstruction.from_spec(spec)
+    return [(part.splitname, slice(part.from_, part.to)) for part in spec.to_absolute(infos)]
 
   def num_examples(self, split: str) -> int:
     return sum(len(range(self._sizes[name])[part]) for name, part in self._ranges(split))
@@ -101,6 +147,13 @@ class RangeSource(DataSource):
     parts = [self._load_range(name, part) for name, part in self._ranges(split)]
     return Split(images=np.concatenate([part.images for part in parts]),
                  labels=np.concatenate([part.labels for part in parts]))
+
+
+def materialize(examples: tf.data.Dataset) -> Split:
+  """Reads examples of one image size ({'image', 'label'}, as `examples` yields) into memory."""
+  blocks = list(examples.batch(_MATERIALIZE_BLOCK).prefetch(1).as_numpy_iterator())
+  return Split(images=np.concatenate([block['image'] for block in blocks]),
+               labels=np.concatenate([block['label'] for block in blocks]).astype(np.int32))
 
 
 def to_split(images, labels) -> Split:

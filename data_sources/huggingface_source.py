@@ -21,7 +21,7 @@ def open_huggingface(config: ml_collections.ConfigDict) -> base.RangeSource:
       dataset_dict = datasets.load_dataset(config.dataset, cache_dir=config.data_dir)
   except Exception as error:  # Hub, network and file errors all mean "not found" here.
     cache_dir = config.data_dir or datasets.config.HF_DATASETS_CACHE
-    raise RuntimeError(
+    raise base.DataError(
         f'Hugging Face dataset {config.dataset!r} could not be loaded: looked for a local '
         f'directory {os.path.abspath(config.dataset)!r}, the cache dir {str(cache_dir)!r} '
         '(config.data_dir) and the Hub. Offline, set config.dataset to a directory saved with '

@@ -23,7 +23,7 @@ class TfdsSource(base.DataSource):
     self.builder = prepared_builder(name, data_dir)
     features = self.builder.info.features
     if 'image' not in features or 'label' not in features:
-      raise ValueError(f'Dataset {name!r} has features {sorted(features)}; an image '
+      raise base.DataError(f'Dataset {name!r} has features {sorted(features)}; an image '
                        "classification dataset with 'image' and 'label' features is needed.")
 
   @property
@@ -91,12 +91,12 @@ def prepared_builder(name: str, data_dir: str | None) -> tfds.core.DatasetBuilde
   missing = [file for file in files if not os.path.exists(os.path.join(manual_dir, file))]
   hosts = {urllib.parse.urlparse(url).hostname for url in (builder.url_infos or {})}
   if missing and not all(_reachable(host) for host in hosts):
-    raise RuntimeError(_missing_data_message(name, manual_dir, missing))
+    raise base.DataError(_missing_data_message(name, manual_dir, missing))
   logging.info('Preparing %s in %s (manual dir %s).', name, builder.data_dir_root, manual_dir)
   try:
     builder.download_and_prepare()
   except Exception as error:  # TFDS raises many types; all mean the same thing to the user.
-    raise RuntimeError(
+    raise base.DataError(
         f'{_missing_data_message(name, manual_dir, files)} (TFDS said: {error})') from error
   return builder
 

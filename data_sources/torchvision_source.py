@@ -16,7 +16,7 @@ def open_torchvision(config: ml_collections.ConfigDict) -> base.RangeSource:
     try:
       datasets[name] = dataset_class(config.data_dir, train=train, download=config.download)
     except RuntimeError as error:  # torchvision's "Dataset not found".
-      raise RuntimeError(
+      raise base.DataError(
           f'torchvision {config.dataset} {name} split not found under root {config.data_dir!r} '
           f'(config.data_dir). For MNIST-style datasets put the gunzipped raw files '
           f'(train-images-idx3-ubyte, t10k-labels-idx1-ubyte, ...) in '

@@ -139,10 +139,10 @@ def test_huggingface_local_dataset(huggingface_dir, tfds_splits):
 def test_missing_data_says_where_it_looked(tmp_path):
   requires_extras('torchvision', 'datasets')
   config = _config(data_source='torchvision', dataset='MNIST', data_dir=str(tmp_path))
-  with pytest.raises(RuntimeError, match=str(tmp_path / 'MNIST' / 'raw')):
+  with pytest.raises(base.DataError, match=str(tmp_path / 'MNIST' / 'raw')):
     data_sources.open_source(config)
   missing = str(tmp_path / 'no_such_dataset')
-  with pytest.raises(RuntimeError, match=f'local directory {missing!r}'):
+  with pytest.raises(base.DataError, match=f'local directory {missing!r}'):
     data_sources.open_source(_config(data_source='huggingface', dataset=missing))
 
 

@@ -130,7 +130,7 @@ def test_block_decoding_equals_tfds_reader(tfds_data_dir, split):
 def test_unprepared_offline_dataset_names_the_manual_dir(tmp_path, monkeypatch):
   # Simulate a machine without internet, whatever this one has.
   monkeypatch.setattr(tfds_source, '_reachable', lambda host: False)
-  with pytest.raises(RuntimeError) as error:
+  with pytest.raises(base.DataError) as error:
     tfds_source.TfdsSource('mnist', str(tmp_path))
   message = str(error.value)
   assert os.path.join(str(tmp_path), 'downloads', 'manual') in message

@@ -11,14 +11,19 @@ killed at any moment, even mid-save, leaves nothing that the next start would pi
 complete checkpoints are listed.
 """
 
+import errno
+import glob
 import logging as python_logging
 import os
+import re
+import shutil
 import signal
 import time
 
 from absl import logging
 from flax import nnx
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
@@ -28,20 +33,43 @@ import models
 from training import config_checks
 
 CHECKPOINT_DIR = 'checkpoints'
+CORRUPT_DIR = 'corrupt'  # Under CHECKPOINT_DIR: checkpoints that failed to restore.
 _MAX_LISTED = 6  # Differing keys named in a mismatch error.
+_CHECKPOINTS_OF_SPACE = 3  # Free space below this many checkpoints' size at start: a warning.
 
 
 class NonFiniteError(RuntimeError):
   """The training loss or state became NaN/Inf; the message names the step and last checkpoint."""
 
 
+class SaveError(OSError):
+  """A checkpoint could not be written (full disk, lost permissions); earlier ones are intact."""
+
+
 class Interrupted(Exception):
   """A SIGTERM/SIGINT stopped training after a checkpoint was saved."""
 
-  def __init__(self, signum: int, step: int, directory: str):
-    super().__init__(f'Received {signal.Signals(signum).name}: saved a checkpoint at step {step} '
-                     f'in {directory} and stopped. Rerun the same command to resume.')
+  def __init__(self, signum: int, step: int, directory: str, received_by: str = 'Received'):
+    super().__init__(f'{received_by} {signal.Signals(signum).name}: saved a checkpoint at step '
+                     f'{step} in {directory} and stopped. Rerun the same command to resume.')
     self.signum = signum
+
+
+def io_failure(error: BaseException) -> str | None:
+  """The OS's reason, such as 'No space left on device', if `error` is a failed write or read.
+
+  Orbax's TensorStore and TensorFlow's file writers report OS errors inside their own exception
+  types, with the errno in the message (os_error_code='28'); Python's with `OSError.errno`.
+  """
+  while error is not None:
+    if isinstance(error, OSError) and error.errno:
+      return os.strerror(error.errno)
+    if code := re.search(r"os_error_code='(\d+)'", str(error)):
+      return os.strerror(int(code.group(1)))
+    if 'No space left on device' in str(error):
+      return os.strerror(errno.ENOSPC)
+    error = error.__cause__ or error.__context__
+  return None
 
 
 def _flat_shapes(tree) -> dict[str, tuple[int, ...]]:
@@ -73,10 +101,22 @@ def _differences(saved: dict[str, tuple], wanted: dict[str, tuple]) -> list[str]
   return differences
 
 
+def _first_line(error: Exception) -> str:
+  """'FileNotFoundError: ...' on one line, short: Orbax's messages run to many lines."""
+  text = ' '.join(str(error).split())
+  return f'{type(error).__name__}: {text[:200]}{"..." if len(text) > 200 else ""}'
+
+
 def _orbax_warnings_only(record) -> bool:
-  """A logging filter: Orbax logs ~40 INFO lines per save; we log one line per save instead."""
+  """A logging filter: Orbax logs ~40 INFO lines per save; we log one line per save instead.
+
+  Orbax also logs the traceback of each of its writer threads that fails; the save re-raises
+  the same error to its caller, which reports it once.
+  """
+  if f'{os.sep}orbax{os.sep}' not in record.pathname:
+    return True
   return (record.levelno >= python_logging.WARNING
-          or f'{os.sep}orbax{os.sep}' not in record.pathname)
+          and 'raised an exception' not in record.getMessage())
 
 
 @jax.jit
@@ -99,10 +139,12 @@ class Checkpointer:
     logging.get_absl_handler().addFilter(_orbax_warnings_only)
     self._config = config
     # Synchronous saves: the train step donates the model's buffers right after a save returns.
+    # A save interrupted by a kill leaves a temporary directory, removed at the next start.
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=config.max_checkpoints_to_keep,
-                                             create=True, enable_async_checkpointing=False),
+                                             create=True, enable_async_checkpointing=False,
+                                             cleanup_tmp_directories=True),
         # Named handlers let a fresh process read the metadata of existing checkpoints.
         item_handlers={'model': ocp.StandardCheckpointHandler(),
                        'train': ocp.StandardCheckpointHandler(),
@@ -110,6 +152,7 @@ class Checkpointer:
     self._signal = None  # The SIGTERM/SIGINT received during training, if any.
     self._handlers = {}  # The signal handlers replaced while training.
     self._checked_step = 0  # Last step whose training loss was checked to be finite.
+    self._dispatches = 0  # Calls of maybe_save: the same count on every process.
 
   def close(self) -> None:
     """Waits for Orbax's background work (such as deleting old checkpoints) and ends it."""
@@ -118,10 +161,15 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
+  def all_steps(self) -> list[int]:
+    return list(self._manager.all_steps())
+
   def _restore(self, step: int, items: dict) -> dict:
     """Restores `items` (name -> target pytree) of checkpoint `step`, checking structure first."""
     metadata = self._manager.item_metadata(step)
     for name, target in items.items():
+      if not metadata.get(name):
+        raise FileNotFoundError(f'the metadata of its {name} state is missing')
       if differences := _differences(_flat_shapes(metadata[name]), _flat_shapes(target)):
         raise config_checks.ConfigError(
             f'The {name} state of the checkpoint at step {step} in {self.directory} does not '
@@ -135,24 +183,74 @@ class Checkpointer:
                  time.time() - start)
     return restored
 
+  def _restore_newest(self, items: dict, *, move_aside: bool) -> tuple[int, dict] | None:
+    """Restores the newest checkpoint that restores: (step, items), or None if there is none.
+
+    A checkpoint that fails to restore (a truncated or missing file) is reported with its step
+    and the reason, and, when `move_aside`, moved into <checkpoints>/corrupt/ (never deleted),
+    so that the next start does not trip over it again. Only when every checkpoint fails does
+    this raise, naming them. A checkpoint whose intact state does not fit the config raises at
+    once: an older one would not fit either.
+    """
+    steps = sorted(self.all_steps(), reverse=True)
+    for step in steps:
+      try:
+        return step, self._restore(step, items)
+      except config_checks.ConfigError:
+        raise
+      except Exception as error:  # pylint: disable=broad-except  (Orbax/TensorStore raise many)
+        reason = _first_line(error)
+      if move_aside:
+        logging.warning('The checkpoint at step %d does not restore (%s): moved to %s; trying '
+                        'the one before it.', step, reason, self._move_aside(step))
+      else:
+        logging.warning('The checkpoint at step %d in %s does not restore (%s): trying the one '
+                        'before it.', step, self.directory, reason)
+    if not steps:
+      return None
+    where = os.path.join(self.directory, CORRUPT_DIR) if move_aside else self.directory
+    raise config_checks.ConfigError(
+        f'None of the {len(steps)} checkpoints in {self.directory} (steps '
+        f'{", ".join(map(str, steps))}) restores (see the warnings above; they are in {where}): '
+        'pass a new --workdir, or rerun this one to train from scratch.')
+
+  def _move_aside(self, step: int) -> str:
+    """Moves checkpoint `step` into <checkpoints>/corrupt/ (as <step>.<n> if taken); its path."""
+    corrupt = os.path.join(self.directory, CORRUPT_DIR)
+    os.makedirs(corrupt, exist_ok=True)
+    target = os.path.join(corrupt, str(step))
+    suffix = 0
+    while os.path.exists(target):
+      suffix += 1
+      target = os.path.join(corrupt, f'{step}.{suffix}')
+    os.rename(os.path.join(self.directory, str(step)), target)
+    self._manager.reload()
+    return target
+
   def restore_model(self, model: nnx.Module) -> int:
-    """Loads the latest checkpoint's model state into `model`; returns its step."""
-    step = self.latest_step()
-    if step is None:
+    """Loads the newest restorable checkpoint's model state into `model`; returns its step.
+
+    Read-only: a damaged checkpoint is skipped, not moved (a training run may be using them).
+    """
+    restored = self._restore_newest({'model': nnx.state(model)}, move_aside=False)
+    if restored is None:
       raise config_checks.ConfigError(
           f'No checkpoint in {self.directory}: train first with the same --workdir '
           '(python main.py --config=... --workdir=...).')
-    nnx.update(model, self._restore(step, {'model': nnx.state(model)})['model'])
+    step, items = restored
+    nnx.update(model, items['model'])
     return step
 
   def restore_training(self, model: nnx.Module, optimizer: nnx.Optimizer, metrics,
                        steps_per_epoch: int):
-    """Resumes from the latest checkpoint, if any: returns (step, metrics)."""
-    step = self.latest_step()
-    if step is None:
+    """Resumes from the newest checkpoint that restores, if any: returns (step, metrics)."""
+    items = _training_items(model, optimizer, metrics)
+    self._warn_if_disk_low(items)
+    restored = self._restore_newest(items, move_aside=True)
+    if restored is None:
       logging.info('No checkpoint in %s: training from scratch.', self.directory)
       return 0, metrics
-    restored = self._restore(step, _training_items(model, optimizer, metrics))
+    step, restored = restored
     if restored['progress']['steps_per_epoch'] != steps_per_epoch:
       raise config_checks.ConfigError(
           f'The checkpoint at step {step} in {self.directory} was written with '
@@ -163,6 +261,15 @@ class Checkpointer:
     nnx.update(optimizer, restored['train']['optimizer'])
     self._checked_step = step
     return step, restored['train']['metrics']
+
+  def _warn_if_disk_low(self, items: dict) -> None:
+    size = sum(leaf.nbytes for leaf in jax.tree.leaves(items)
+               if not jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key))
+    free = shutil.disk_usage(self.directory).free
+    if free < _CHECKPOINTS_OF_SPACE * size:
+      logging.warning('Only %.1f MB free in %s, less than %d checkpoints of %.1f MB: a save may '
+                      'fail for lack of space.', free / 1e6, self.directory,
+                      _CHECKPOINTS_OF_SPACE, size / 1e6)
 
   def check_finite(self, step: int, metrics) -> None:
     """Halts (if config.halt_on_nonfinite) when the train loss of `metrics` is NaN or Inf.
@@ -192,21 +299,50 @@ class Checkpointer:
     Due every config.checkpoint_every_steps, at the last step, and after a SIGTERM/SIGINT, which
     then raises `Interrupted`. Never saves a non-finite state when config.halt_on_nonfinite.
     """
+    self._dispatches += 1
+    preempted = self._signal or self._reached_preemption()
     every = self._config.checkpoint_every_steps
-    if not (step // every > (first_step - 1) // every or step == num_steps or self._signal):
+    if not (step // every > (first_step - 1) // every or step == num_steps or preempted):
       return
     items = _training_items(model, optimizer, metrics)
     if self._config.halt_on_nonfinite and not _all_finite(items):
       self._halt(f'The training state is not finite at step {step}')
     start = time.time()
     epoch, step_in_epoch = divmod(step, steps_per_epoch)
-    self._manager.save(step, args=ocp.args.Composite(
-        progress=ocp.args.JsonSave({'epoch': epoch, 'step_in_epoch': step_in_epoch,
-                                    'steps_per_epoch': steps_per_epoch}),
-        **{name: ocp.args.StandardSave(item) for name, item in items.items()}))
+    try:
+      self._manager.save(step, args=ocp.args.Composite(
+          progress=ocp.args.JsonSave({'epoch': epoch, 'step_in_epoch': step_in_epoch,
+                                      'steps_per_epoch': steps_per_epoch}),
+          **{name: ocp.args.StandardSave(item) for name, item in items.items()}))
+    except Exception as error:  # pylint: disable=broad-except  (re-raised unless an OS error)
+      if (reason := io_failure(error)) is None:
+        raise
+      self._remove_partial_saves()
+      kept = self.all_steps()
+      raise SaveError(
+          f'Could not save the checkpoint at step {step} in {self.directory}: {reason}. The '
+          f'earlier checkpoints (steps {", ".join(map(str, kept)) or "none"}) are kept; free '
+          'space (or fix the permissions) and rerun the same command to resume.') from error
     logging.info('Saved checkpoint at step %d in %.2fs.', step, time.time() - start)
-    if self._signal and step < num_steps:
-      raise Interrupted(self._signal, step, self.directory)
+    if preempted and step < num_steps:
+      if self._signal:
+        raise Interrupted(self._signal, step, self.directory)
+      raise Interrupted(signal.SIGTERM, step, self.directory,
+                        received_by='Preempted: a process of this run received')
+
+  def _remove_partial_saves(self) -> None:
+    """Deletes what a failed save left: its temporary directory, which holds the lost space."""
+    for partial in glob.glob(os.path.join(self.directory, '*.orbax-checkpoint-tmp*')):
+      shutil.rmtree(partial, ignore_errors=True)
+
+  def _reached_preemption(self) -> bool:
+    """With several processes: whether all have reached the step to save at after a SIGTERM.
+
+    JAX's runtime catches SIGTERM on any process and agrees with the others on the next dispatch
+    they all save at, so every process saves the same step and exits the same way.
+    """
+    return (jax.process_count() > 1
+            and multihost_utils.reached_preemption_sync_point(self._dispatches))
 
   def _on_signal(self, signum, frame) -> None:
     del frame
@@ -221,9 +357,14 @@ class Checkpointer:
     self._handlers = {}
 
   def interruptible(self, batches):
-    """Yields from `batches` with SIGTERM/SIGINT turned into a checkpoint and `Interrupted`."""
-    self._handlers = {signum: signal.signal(signum, self._on_signal)
-                      for signum in (signal.SIGTERM, signal.SIGINT)}
+    """Yields from `batches` with SIGTERM/SIGINT turned into a checkpoint and `Interrupted`.
+
+    With several processes, JAX's runtime handles SIGTERM (see `_reached_preemption`), and
+    SIGINT keeps its default: a save by one process alone would wait forever for the others.
+    """
+    if jax.process_count() == 1:
+      self._handlers = {signum: signal.signal(signum, self._on_signal)
+                        for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
       yield from batches
     finally:

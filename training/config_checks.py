@@ -13,6 +13,9 @@ import models
 from training import optimizers
 
 
+_PROBE_BYTES = 1 << 20  # Written by the workdir check: a full disk fails it, an empty file not.
+
+
 class ConfigError(ValueError):
   """A config value or workdir that cannot work; the message names the value and the fix."""
 
@@ -99,14 +102,16 @@ def _require_package(key: str, value: str) -> None:
 
 
 def check_workdir(workdir: str) -> None:
-  """Creates `workdir` if needed and checks that files can be written in it."""
+  """Creates `workdir` if needed and checks that it takes a file of `_PROBE_BYTES`."""
   try:
     os.makedirs(workdir, exist_ok=True)
-    with tempfile.TemporaryFile(dir=workdir):
-      pass
+    with tempfile.TemporaryFile(dir=workdir) as probe:
+      probe.write(b'\0' * _PROBE_BYTES)
+      probe.flush()
+      os.fsync(probe.fileno())
   except OSError as error:
-    raise ConfigError(f'Workdir {workdir!r} is not writable ({error.strerror}): pass a '
-                      '--workdir you can write to.') from error
+    raise ConfigError(f'Workdir {workdir!r} is not writable ({error.strerror}): free some space '
+                      'or pass a --workdir you can write to.') from error
 
 
 def check_against_data(config: ml_collections.ConfigDict, num_train_examples: int) -> None:

@@ -1,0 +1,359 @@
+"""Faults a real run meets: corrupt checkpoints, two runs on one workdir, a changed config on
+resume, a full disk, preemption of one of several processes, and user mistakes (one line each).
+
+The in-process runs train the CNN for 8 steps (batch 32 of 'train[:256]'), checkpointing every
+4 steps, so a workdir holds checkpoints 4 and 8.
+"""
+
+import errno
+import glob
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from configs import default
+from data_sources import base
+import train
+from training import checkpointing
+from training import config_checks
+from training import workdirs
+from test_checkpointing import _saved
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OVERRIDES = {'train_split': 'train[:256]', 'eval_split': 'test[:256]', 'batch_size': 32,
+             'num_epochs': 1, 'checkpoint_every_steps': 4, 'log_every_steps': 4,
+             'num_misclassified_images': 0}
+
+
+def _config(data_dir, **overrides):
+  config = default.get_config()
+  config.update({**OVERRIDES, 'data_dir': data_dir, **overrides})
+  return config
+
+
+def _main_command(workdir, data_dir, *flags):
+  return [sys.executable, 'main.py', '--config=configs/default.py', f'--workdir={workdir}',
+          *(f'--config.{key}={value}' for key, value in {**OVERRIDES, 'data_dir': data_dir}.items()),
+          *flags]
+
+
+def _assert_one_line_error(result, prefix):
+  """main.py failed with one line of the given prefix as its last words, and no traceback."""
+  assert result.returncode == 1, result.stderr[-3000:]
+  assert 'Traceback' not in result.stderr, result.stderr[-3000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith(prefix), result.stderr[-3000:]
+  return last
+
+
+@pytest.fixture(scope='module')
+def trained(tfds_data_dir, tmp_path_factory):
+  """A workdir after an uninterrupted 8-step run: checkpoints 4 and 8."""
+  workdir = str(tmp_path_factory.mktemp('trained'))
+  train.train_and_evaluate(_config(tfds_data_dir), workdir)
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['4', '8']
+  return workdir
+
+
+def _copy(workdir, tmp_path):
+  copy = str(tmp_path / 'run')
+  shutil.copytree(workdir, copy)
+  return copy
+
+
+def _damage(checkpoint, how):
+  if how == 'truncated data file':
+    data = max(glob.glob(os.path.join(checkpoint, 'train', 'ocdbt.process_0', 'd', '*')),
+               key=os.path.getsize)
+    os.truncate(data, os.path.getsize(data) // 2)
+  else:
+    os.remove(os.path.join(checkpoint, {'deleted progress metadata': 'progress/metadata',
+                                        'deleted manifest': 'train/manifest.ocdbt',
+                                        'deleted model metadata': 'model/_METADATA'}[how]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('how', ['truncated data file', 'deleted progress metadata',
+                                 'deleted manifest', 'deleted model metadata'])
+def test_a_damaged_latest_checkpoint_is_moved_aside_and_the_previous_one_resumes(
+    trained, tfds_data_dir, tmp_path, caplog, how):
+  workdir = _copy(trained, tmp_path)
+  checkpoints = os.path.join(workdir, 'checkpoints')
+  _damage(os.path.join(checkpoints, '8'), how)
+  with caplog.at_level(logging.WARNING):
+    train.train_and_evaluate(_config(tfds_data_dir), workdir)
+  warnings = [record.getMessage() for record in caplog.records
+              if 'does not restore' in record.getMessage()]
+  assert len(warnings) == 1 and warnings[0].startswith('The checkpoint at step 8 does not '
+                                                       'restore ('), warnings
+  assert f'moved to {checkpoints}/corrupt/8' in warnings[0]
+  assert os.path.isdir(os.path.join(checkpoints, 'corrupt', '8'))  # Kept, never deleted.
+  # Resumed from step 4, the run ends where the uninterrupted one ended, bit for bit.
+  _, resumed = _saved(workdir, 8)
+  _, uninterrupted = _saved(trained, 8)
+  for name, value in uninterrupted.items():
+    np.testing.assert_array_equal(resumed[name], value, err_msg=name)
+
+
+@pytest.mark.slow
+def test_when_no_checkpoint_restores_the_run_stops_with_one_line(trained, tfds_data_dir,
+                                                                  tmp_path):
+  workdir = _copy(trained, tmp_path)
+  checkpoints = os.path.join(workdir, 'checkpoints')
+  for step in ('4', '8'):
+    _damage(os.path.join(checkpoints, step), 'deleted manifest')
+  with pytest.raises(config_checks.ConfigError,
+                     match=rf'None of the 2 checkpoints in {checkpoints} \(steps 8, 4\) restores '
+                           rf'\(see the warnings above; they are in {checkpoints}/corrupt\)'):
+    train.train_and_evaluate(_config(tfds_data_dir), workdir)
+  assert sorted(os.listdir(os.path.join(checkpoints, 'corrupt'))) == ['4', '8']
+
+
+def test_a_second_run_on_a_held_workdir_is_refused(tmp_path):
+  with workdirs.hold(str(tmp_path)):
+    holder = json.loads((tmp_path / workdirs.LOCK_FILE).read_text())
+    assert holder['pid'] == os.getpid() and holder['host'] == socket.gethostname()
+    with pytest.raises(config_checks.ConfigError,
+                       match=rf"Workdir '{tmp_path}' is in use by another run \(pid "
+                             rf"{os.getpid()} on host {socket.gethostname()}, started "):
+      with workdirs.hold(str(tmp_path)):
+        pass
+  assert not (tmp_path / workdirs.LOCK_FILE).exists()  # Released at the end.
+
+
+def test_the_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path, caplog):
+  killed = subprocess.run(
+      [sys.executable, '-c', textwrap.dedent(f'''
+          import os, signal
+          from training import workdirs
+          with workdirs.hold({str(tmp_path)!r}):
+            print(os.getpid(), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)''')],
+      cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+  pid = int(killed.stdout)
+  with caplog.at_level(logging.WARNING):
+    with workdirs.hold(str(tmp_path)):
+      assert json.loads((tmp_path / workdirs.LOCK_FILE).read_text())['pid'] == os.getpid()
+  assert any(f'Taking over the lock of workdir {tmp_path} from a run that ended without '
+             f'releasing it (pid {pid} on host ' in record.getMessage()
+             for record in caplog.records)
+
+
+@pytest.mark.slow
+def test_two_runs_on_one_workdir_the_second_is_refused(tfds_data_dir, tmp_path):
+  workdir = tmp_path / 'run'
+  first = subprocess.Popen(
+      _main_command(workdir, tfds_data_dir, '--config.train_split=train[:4096]',
+                    '--config.learning_rate=0.05'),
+      cwd=ROOT, stderr=subprocess.PIPE, text=True)
+  try:
+    log = []
+    for line in first.stderr:  # Wait until the first run holds the workdir and trains.
+      log.append(line)
+      if 'Training for' in line:
+        break
+    second = subprocess.run(_main_command(workdir, tfds_data_dir, '--config.learning_rate=0.2'),
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    log.extend(first.stderr)
+    first.wait(timeout=300)
+  finally:
+    first.kill()
+  assert first.returncode == 0, ''.join(log)[-3000:]
+  last = _assert_one_line_error(second, f"Config error: Workdir '{workdir}' is in use by another "
+                                        f'run (pid {first.pid} on host {socket.gethostname()}')
+  assert 'wait for it to end or stop it, or pass another --workdir' in last
+  # Nothing of the second run reached the workdir: the config and summaries are the first's.
+  assert json.loads((workdir / workdirs.CONFIG_FILE).read_text())['learning_rate'] == 0.05
+  event_file_pids = {path.name.split('.')[-3] for path in workdir.glob('events.out.tfevents.*')}
+  assert event_file_pids == {str(first.pid)}
+  assert not (workdir / workdirs.LOCK_FILE).exists()
+
+
+@pytest.mark.slow
+def test_resuming_with_a_changed_learning_rate_warns_and_a_changed_batch_size_is_refused(
+    trained, tfds_data_dir, tmp_path, caplog):
+  workdir = _copy(trained, tmp_path)
+  with pytest.raises(config_checks.ConfigError,
+                     match=r"other values of config.batch_size \(32 -> 64\); these change the "
+                           r'data order or the model, so a resumed run must keep them'):
+    train.train_and_evaluate(_config(tfds_data_dir, batch_size=64), workdir)
+  with caplog.at_level(logging.WARNING):
+    metrics = train.train_and_evaluate(
+        _config(tfds_data_dir, learning_rate=0.05, num_epochs=2), workdir)
+  assert metrics['eval_num_examples'] == 256  # Trained the second epoch.
+  assert any('with a changed config: config.learning_rate (0.1 -> 0.05), config.num_epochs '
+             '(1 -> 2).' in record.getMessage() for record in caplog.records)
+  saved = json.loads(open(os.path.join(workdir, workdirs.CONFIG_FILE)).read())
+  assert (saved['learning_rate'], saved['num_epochs']) == (0.05, 2)
+  [previous] = glob.glob(os.path.join(workdir, 'config.*T*.json'))
+  assert json.loads(open(previous).read())['learning_rate'] == 0.1
+
+
+def test_io_failure_reads_the_os_reason_from_every_library():
+  assert checkpointing.io_failure(OSError(errno.ENOSPC, 'x')) == 'No space left on device'
+  orbax = ValueError('RESOURCE_EXHAUSTED: Error writing "a" in OCDBT database: Failed to write '
+                     "12 bytes to file 8: No space left on device [os_error_code='28']")
+  assert checkpointing.io_failure(orbax) == 'No space left on device'
+  try:
+    try:
+      raise PermissionError(errno.EACCES, 'denied')
+    except PermissionError as cause:
+      raise RuntimeError('wrapped') from cause
+  except RuntimeError as wrapped:
+    assert checkpointing.io_failure(wrapped) == 'Permission denied'
+  assert checkpointing.io_failure(ValueError('a bug')) is None
+
+
+@pytest.mark.slow
+def test_a_save_that_fails_for_space_keeps_the_earlier_checkpoints_and_no_leftover(
+    trained, tfds_data_dir, tmp_path, monkeypatch):
+  """A simulated ENOSPC from Orbax's save; the real full disk is in the test below."""
+  workdir = _copy(trained, tmp_path)
+  real_save = checkpointing.ocp.CheckpointManager.save
+
+  def save_filling_the_disk(manager, step, *args, **kwargs):
+    if step < 12:
+      return real_save(manager, step, *args, **kwargs)
+    os.makedirs(os.path.join(manager.directory, f'{step}.orbax-checkpoint-tmp', 'train'))
+    raise ValueError("RESOURCE_EXHAUSTED: Failed writing: No space left on device "
+                     "[os_error_code='28']")
+
+  monkeypatch.setattr(checkpointing.ocp.CheckpointManager, 'save', save_filling_the_disk)
+  checkpoints = os.path.join(workdir, 'checkpoints')
+  with pytest.raises(checkpointing.SaveError,
+                     match=rf'Could not save the checkpoint at step 12 in {checkpoints}: No space '
+                           r'left on device. The earlier checkpoints \(steps 4, 8\) are kept'):
+    train.train_and_evaluate(_config(tfds_data_dir, num_epochs=2), workdir)
+  assert sorted(os.listdir(checkpoints)) == ['4', '8']
+
+
+def _can_mount_tmpfs() -> bool:
+  if not shutil.which('unshare'):
+    return False
+  probe = subprocess.run(['unshare', '-rm', 'sh', '-c', 'mount -t tmpfs -o size=1m tmpfs /mnt'],
+                         capture_output=True, check=False)
+  return probe.returncode == 0
+
+
+@pytest.mark.slow
+def test_a_full_disk_ends_in_one_line_and_the_rerun_resumes_after_space_is_freed(
+    tfds_data_dir, tmp_path):
+  """On a real 16 MB tmpfs (in a user namespace): a checkpoint is 6.6 MB, the third does not fit."""
+  if not _can_mount_tmpfs():
+    pytest.skip('needs `unshare -rm` and tmpfs mounts (user namespaces) to make a small disk; '
+                'the simulated ENOSPC test above covers the save path')
+  mount = tmp_path / 'disk'
+  mount.mkdir()
+  workdir = mount / 'run'
+  command = ' '.join(f"'{arg}'" for arg in _main_command(workdir, tfds_data_dir,
+                                                         '--config.train_split=train[:512]'))
+  script = (f'mount -t tmpfs -o size=16m tmpfs {mount} && {{ {command}; echo "rc=$?"; '
+            f'ls {workdir}/checkpoints; echo "----"; mount -o remount,size=64m {mount} && '
+            f'{command}; echo "rc=$?"; ls {workdir}/checkpoints; }}')
+  result = subprocess.run(['unshare', '-rm', 'sh', '-c', script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+  full, freed = result.stdout.split('----')
+  full_log, freed_log = result.stderr.split('Restored checkpoint at step')[0], result.stderr
+  assert full.split()[0] == 'rc=1', result.stderr[-3000:]
+  assert full.split()[1:] == ['4', '8']  # No leftover of the failed save.
+  assert (f'I/O error: Could not save the checkpoint at step 12 in {workdir}/checkpoints: No '
+          'space left on device. The earlier checkpoints (steps 4, 8) are kept' in full_log)
+  assert 'Traceback' not in full_log
+  assert 'a save may fail for lack of space' in full_log  # The start-up warning.
+  assert freed.split()[0] == 'rc=0' and freed.split()[1:] == ['12', '16', '8']
+  assert 'Restored checkpoint at step 8 ' in freed_log
+
+
+def _free_port() -> int:
+  with socket.socket() as sock:
+    sock.bind(('127.0.0.1', 0))
+    return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step(tfds_data_dir, tmp_path):
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
+  env.pop('XLA_FLAGS', None)
+  coordinator = f'--coordinator_address=127.0.0.1:{_free_port()}'
+  runs = [subprocess.Popen(
+      _main_command(tmp_path, tfds_data_dir, '--config.train_split=train[:4096]',
+                    '--config.checkpoint_every_steps=1000', coordinator, '--num_processes=2',
+                    f'--process_id={i}'),
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      for i in range(2)]
+  try:
+    logs = [[], []]
+    for line in runs[0].stdout:  # Process 0 logs train metrics every 4 steps.
+      logs[0].append(line)
+      if '] [8] ' in line:
+        runs[1].send_signal(signal.SIGTERM)
+        break
+    logs[0].extend(runs[0].stdout)
+    logs[1] = runs[1].communicate(timeout=300)[0].splitlines(True)
+    runs[0].wait(timeout=300)
+  finally:
+    for run in runs:
+      run.kill()
+  assert [run.returncode for run in runs] == [128 + signal.SIGTERM] * 2, ''.join(logs[0])[-3000:]
+  saved = [{int(step) for step in re.findall(r'Saved checkpoint at step (\d+)',
+                                                            ''.join(log))} for log in logs]
+  assert saved[0] == saved[1] and len(saved[0]) == 1, saved
+  [step] = saved[0]
+  assert 8 < step < 128
+  assert os.listdir(tmp_path / 'checkpoints') == [str(step)]
+  for log in logs:
+    assert (f'Preempted: a process of this run received SIGTERM: saved a checkpoint at step '
+            f'{step}') in ''.join(log)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('flags,line', [
+    (['--config.train_split=trian'],
+     "Data error: config.train_split='trian' is not a split of mnist: Unknown split 'trian'. "
+     "Should be one of ['train', 'test']."),
+    (['--config.eval_split=test[:0]'],
+     "Data error: config.eval_split='test[:0]' selects no examples of mnist: widen the slice"),
+    (['--config.train_split=train[:0]'],
+     "Data error: config.train_split='train[:0]' selects no examples of mnist"),
+    # No internet here (only package registries): an empty data dir has nothing to prepare from.
+    (['--config.data_dir=CONFIG_DIR/empty'],
+     "Data error: TFDS dataset 'mnist' is not prepared and could not be downloaded. To prepare "
+     'it offline, put'),
+    (['--config=CONFIG_DIR/syntax.py'],
+     'Config error: the config file CONFIG_DIR/syntax.py has a syntax error at line 1'),
+    (['--config=CONFIG_DIR/no_get_config.py'],
+     "Config error: the config file 'CONFIG_DIR/no_get_config.py' has no get_config() function"),
+])
+def test_user_mistakes_end_in_one_line_before_training(tfds_data_dir, tmp_path, flags, line):
+  (tmp_path / 'syntax.py').write_text('def get_config(:\n  pass\n')
+  (tmp_path / 'no_get_config.py').write_text('CONFIG = {}\n')
+  flags = [flag.replace('CONFIG_DIR', str(tmp_path)) for flag in flags]
+  result = subprocess.run(_main_command(tmp_path / 'run', tfds_data_dir, *flags), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+  _assert_one_line_error(result, line.replace('CONFIG_DIR', str(tmp_path)))
+  assert 'Training for' not in result.stderr
+
+
+def test_split_mistakes_are_data_errors_before_any_data_is_read():
+  source = base.RangeSource('tiny', {'train': 10, 'test': 5}, 2,
+                            lambda split, part: pytest.fail('data was read'))
+  config = default.get_config()
+  config.train_split = 'train[:0]'
+  with pytest.raises(base.DataError, match=r"config.train_split='train\[:0\]' selects no "
+                                           'examples of tiny'):
+    source.info(config)
+  config.train_split, config.eval_split = 'train', 'tset'
+  with pytest.raises(base.DataError, match="config.eval_split='tset' is not a split of tiny: "
+                                           "Unknown split 'tset'"):
+    source.info(config)
