@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 
 import sweep
+from sweeps import spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = {'learning_rate=0.05,batch_size=64', 'learning_rate=0.05,batch_size=128',
@@ -19,7 +20,7 @@ RUNS = {'learning_rate=0.05,batch_size=64', 'learning_rate=0.05,batch_size=128',
 
 
 def _plan(*specs, overrides=None, config_file='configs/default.py'):
-  return sweep.plan_runs(config_file, overrides or {}, sweep.parse_sweep_flags(list(specs)))
+  return sweep.plan_runs(config_file, overrides or {}, spec.parse_sweep_flags(list(specs)))
 
 
 def test_plan_is_the_product_with_overrides():
@@ -33,14 +34,14 @@ def test_nested_keys_sweep():
   runs = _plan('model_options.cnn.dropout_rate=0.0,0.1')
   assert [run.args for run in runs] == [('--config.model_options.cnn.dropout_rate=0.0',),
                                         ('--config.model_options.cnn.dropout_rate=0.1',)]
-  with pytest.raises(sweep.SweepError, match=r"Sweep key 'model_options.cnn.dropout' is not in "
+  with pytest.raises(spec.SweepError, match=r"Sweep key 'model_options.cnn.dropout' is not in "
                                              r'the config'):
     _plan('model_options.cnn.dropout=0.0,0.1')
 
 
 def test_get_sweep_in_config_file():
   runs = sweep.plan_runs('configs/lr_sweep.py', {},
-                         sweep.sweep_from_config_file('configs/lr_sweep.py'))
+                         spec.sweep_from_config_file('configs/lr_sweep.py'))
   assert len(runs) == 6 and runs[0].name == 'learning_rate=0.01,batch_size=64'
 
 
@@ -61,7 +62,7 @@ def test_get_sweep_in_config_file():
     ([], {}, r'Nothing to sweep'),
 ])
 def test_bad_sweep_specs(specs, overrides, message):
-  with pytest.raises(sweep.SweepError, match=message):
+  with pytest.raises(spec.SweepError, match=message):
     _plan(*specs, overrides=overrides)
 
 

@@ -1,0 +1,205 @@
+"""The sweep spec: `--sweep='key=...'` flags and a config's get_sweep(), checked against the config.
+
+A key takes a list of values, `key=v1,v2,...` (a grid runs the product of the lists; a random or
+TPE search picks among the values), or a range, for a random or TPE search only:
+
+  key=uniform(a,b)        a float in [a, b]
+  key=loguniform(a,b)     a float in [a, b], uniform in log space (0 < a)
+  key=int(a,b)            an integer in [a, b]
+  key=choice(v1,v2,...)   one of the values
+"""
+
+import dataclasses
+import importlib.util
+import math
+import re
+
+from absl import flags
+from ml_collections import config_flags
+import optuna
+
+from training import config_checks
+
+RANGE_KINDS = ('uniform', 'loguniform', 'int', 'choice')
+RANGE_FORMS = 'uniform(a,b), loguniform(a,b), int(a,b) or choice(v1,v2,...)'
+_RANGE_START = re.compile(r'\s*[A-Za-z_]\w*\s*\(')  # 'name(' opens a range, known or not.
+_RANGE = re.compile(r'\s*([A-Za-z_]\w*)\s*\((.*)\)\s*', re.DOTALL)
+
+
+class SweepError(config_checks.ConfigError):
+  """A sweep spec or sweep workdir that cannot work; the message names the problem."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+  """Values to search: `kind` is one of RANGE_KINDS; `values` its bounds or its choices."""
+  kind: str
+  values: tuple  # (low, high) as numbers, or the choices as strings.
+
+  def __str__(self) -> str:
+    return f'{self.kind}({",".join(str(value) for value in self.values)})'
+
+
+Values = list[str] | Range
+
+
+def parse_values(key: str, text: str) -> Values:
+  """'v1,v2,...' as a list of values, 'kind(...)' as a Range; SweepError if it is malformed."""
+  if not _RANGE_START.match(text):
+    return text.split(',') if text else []
+  match = _RANGE.fullmatch(text)
+  if not match:
+    raise SweepError(f'Sweep of {key!r}: {text!r} is not a complete range; write one of '
+                     f'{RANGE_FORMS}.')
+  kind, inner = match.groups()
+  if kind not in RANGE_KINDS:
+    raise SweepError(f'Sweep of {key!r}: unknown distribution {kind!r} in {text!r}; use '
+                     f'{RANGE_FORMS}.')
+  args = tuple(arg.strip() for arg in inner.split(','))
+  if kind == 'choice':
+    return Range(kind, args)
+  number, numbers = (int, 'integers') if kind == 'int' else (float, 'numbers')
+  try:
+    low, high = (number(arg) for arg in args)
+  except ValueError:
+    raise SweepError(f'Sweep of {key!r}: {text!r} needs two bounds that are {numbers}: '
+                     f'{kind}(a,b).') from None
+  if not (math.isfinite(low) and math.isfinite(high) and low < high):
+    raise SweepError(f'Sweep of {key!r}: {text!r} needs finite bounds a < b.')
+  if kind == 'loguniform' and low <= 0:
+    raise SweepError(f'Sweep of {key!r}: {text!r} needs 0 < a (a log scale has no 0).')
+  return Range(kind, (low, high))
+
+
+def parse_sweep_flags(specs: list[str]) -> dict[str, Values]:
+  """{'key': values} from --sweep='key=v1,v2,...' and --sweep='key=kind(...)' flags."""
+  sweep = {}
+  for spec in specs:
+    key, sep, values = spec.partition('=')
+    if not sep or not key:
+      raise SweepError(f"--sweep={spec!r} is not of the form 'key=value1,value2,...' or "
+                       "'key=uniform(a,b)'.")
+    if key in sweep:
+      raise SweepError(f'--sweep gives {key!r} twice: put all its values in one flag.')
+    sweep[key] = parse_values(key, values)
+  return sweep
+
+
+def sweep_from_config_file(config_file: str) -> dict[str, Values]:
+  """The `get_sweep()` of the config file, or {} when it has none.
+
+  get_sweep() maps each key to a list of values or to a string in the syntax of --sweep (a
+  range such as 'loguniform(0.01,0.5)', or 'v1,v2,...').
+  """
+  path = config_file.split(':')[0]  # 'file.py:arg' passes arg to get_config().
+  spec = importlib.util.spec_from_file_location('sweep_config', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, 'get_sweep'):
+    return {}
+  sweep = {}
+  for key, values in module.get_sweep().items():
+    if isinstance(values, str):
+      sweep[key] = parse_values(key, values)
+    elif isinstance(values, (list, tuple)):
+      sweep[key] = [str(value) for value in values]
+    else:
+      raise SweepError(f'get_sweep() of {path} gives {key!r} {values!r}: give a list of values '
+                       f"or a range string such as 'uniform(0.5,0.9)'.")
+  return sweep
+
+
+def resolve_config(config_file: str, args: tuple[str, ...]):
+  """The config main.py builds from `--config=config_file` and `args`, by the same flag parser."""
+  argv = ['main.py', f'--config={config_file}', *args]
+  flag_values = flags.FlagValues()
+  config_flags.DEFINE_config_file('config', flag_values=flag_values, sys_argv=argv)
+  flag_values(argv)
+  return flag_values.config
+
+
+_MISSING = object()
+
+
+def _lookup(config, dotted_key: str):
+  """config's value at `dotted_key` (such as 'model_options.cnn.dropout_rate'), or _MISSING."""
+  for key in dotted_key.split('.'):
+    if not hasattr(config, 'keys') or key not in config:
+      return _MISSING
+    config = config[key]
+  return config
+
+
+def check_key(config, key: str, values: Values, overrides: dict[str, str]) -> None:
+  """Checks that `key` can be swept over `values` (as a list or choices) next to `overrides`."""
+  if _lookup(config, key) is _MISSING:
+    raise SweepError(f'Sweep key {key!r} is not in the config; valid keys: '
+                     f'{", ".join(sorted(config))} (nested ones with dots, such as '
+                     "'model_options.cnn.dropout_rate').")
+  if key in overrides:
+    raise SweepError(f'config.{key} is both swept and set by --config.{key}: drop one.')
+  if isinstance(values, Range):
+    if values.kind != 'choice':
+      return
+    values = list(values.values)
+  if not values or '' in values:
+    raise SweepError(f'Sweep of {key!r} has an empty value list or an empty value: '
+                     f"{','.join(values)!r}; give values like '{key}=a,b'.")
+  if len(set(values)) < len(values):
+    raise SweepError(f'Sweep of {key!r} repeats a value: {values}.')
+
+
+def _checked_value(config_file: str, base_args: tuple[str, ...], key: str, value):
+  """`key`'s value in the config of `--config.key=value` (typed), checked by check_config."""
+  try:
+    config = resolve_config(config_file, (*base_args, f'--config.{key}={value}'))
+    config_checks.check_config(config)
+  except (flags.Error, config_checks.ConfigError) as error:
+    raise SweepError(f'Sweep of {key!r}, value {value}: {error}') from error
+  return _lookup(config, key)
+
+
+def search_space(config_file: str, overrides: dict[str, str],
+                 sweep: dict[str, Values]) -> dict[str, optuna.distributions.BaseDistribution]:
+  """The Optuna distribution of every swept key, checked before anything runs.
+
+  A list of values searches like a choice(). Every bound and choice is checked in a config
+  (check_config); a numeric range needs a numeric key, and an integer key needs int(a,b).
+  """
+  if not sweep:
+    raise SweepError("Nothing to search: pass --sweep='key=uniform(a,b)' (or another range) or "
+                     f'define get_sweep() in {config_file}.')
+  base_args = override_args(overrides)
+  config = resolve_config(config_file, base_args)
+  space = {}
+  for key, values in sweep.items():
+    check_key(config, key, values, overrides)
+    if isinstance(values, Range) and values.kind != 'choice':
+      current = _lookup(config, key)
+      if isinstance(current, bool) or not isinstance(current, (int, float)):
+        raise SweepError(f'Sweep of {key!r}: {values} is a numeric range, but config.{key} is '
+                         f'{current!r}; give its values as choice(v1,v2,...).')
+      if isinstance(current, int) and values.kind != 'int':
+        raise SweepError(f'Sweep of {key!r}: config.{key} is an integer ({current}): use '
+                         f'int(a,b), not {values}.')
+      for bound in values.values:
+        _checked_value(config_file, base_args, key, bound)
+      low, high = values.values
+      space[key] = (optuna.distributions.IntDistribution(low, high) if values.kind == 'int' else
+                    optuna.distributions.FloatDistribution(low, high,
+                                                           log=values.kind == 'loguniform'))
+      continue
+    texts = values.values if isinstance(values, Range) else values
+    typed = [_checked_value(config_file, base_args, key, text) for text in texts]
+    # Optuna stores choices of these types only; others (tuples) are kept as their flag text.
+    choices = [value if isinstance(value, (bool, int, float, str)) else text
+               for value, text in zip(typed, texts)]
+    if len(set(choices)) < len(choices):
+      raise SweepError(f'Sweep of {key!r} repeats a value: {list(texts)}.')
+    space[key] = optuna.distributions.CategoricalDistribution(choices)
+  return space
+
+
+def override_args(overrides: dict[str, str]) -> tuple[str, ...]:
+  """The `--config.<key>=<value>` flags of `overrides`, for main.py."""
+  return tuple(f'--config.{key}={value}' for key, value in overrides.items())
