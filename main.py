@@ -1,7 +1,8 @@
 """Trains an NNX classifier: `python main.py --config=configs/default.py --workdir=runs/mnist`.
 
 Rerunning the command on the same workdir resumes from its latest checkpoint. `--mode=eval`
-evaluates that checkpoint; `--mode=export` writes it as a TF SavedModel to <workdir>/export.
+evaluates that checkpoint; `--mode=export` writes it as a TF SavedModel to <workdir>/export;
+`--mode=predict --inputs=PATH` classifies image files into <workdir>/predictions.csv.
 
 Override any config value with `--config.<key>=<value>`, e.g. `--config.learning_rate=0.05`.
 On several hosts, run the same command on each with `--coordinator_address=HOST:PORT
@@ -9,6 +10,7 @@ On several hosts, run the same command on each with `--coordinator_address=HOST:
 """
 
 import contextlib
+import functools
 import gc
 import sys
 
@@ -26,6 +28,7 @@ import tensorflow as tf
 from data_sources import base
 from modes import evaluate
 from modes import export
+from modes import predict
 import train
 from training import checkpointing
 from training import config_checks
@@ -36,10 +39,13 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Directory for TensorBoard summaries and checkpoints.')
 config_flags.DEFINE_config_file('config', None, 'Path to a config file with get_config().',
                                 lock_config=True)
-flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'export'],
-                  'train (resuming from the latest checkpoint), eval (the latest checkpoint) or '
-                  'export (the latest checkpoint as a TF SavedModel).')
+flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'export', 'predict'],
+                  'train (resuming from the latest checkpoint), eval (the latest checkpoint), '
+                  'export (the latest checkpoint as a TF SavedModel) or predict (classify the '
+                  'images of --inputs with the latest checkpoint).')
 flags.mark_flags_as_required(['config', 'workdir'])
+flags.DEFINE_string('inputs', None, '--mode=predict: an image file, a directory of images '
+                    '(searched recursively) or a glob pattern.')
 flags.DEFINE_string('coordinator_address', None,
                     'HOST:PORT of process 0, for a multi-process run (jax.distributed).')
 flags.DEFINE_integer('num_processes', None, 'Number of processes of a multi-process run.')
@@ -58,7 +64,8 @@ def main(argv):
   logging.info('JAX process %d of %d, local devices: %s; malloc tuned for XLA:CPU: %s',
                jax.process_index(), jax.process_count(), jax.local_devices(), MALLOC_TUNED)
   run = {'train': train.train_and_evaluate, 'eval': evaluate.evaluate_checkpoint,
-         'export': export.export_saved_model}[FLAGS.mode]
+         'export': export.export_saved_model,
+         'predict': functools.partial(predict.predict, inputs=FLAGS.inputs)}[FLAGS.mode]
   # One training run per workdir; eval and export only read it, so they may run beside it.
   hold = workdirs.hold if FLAGS.mode == 'train' else contextlib.nullcontext
   try:

@@ -1,6 +1,8 @@
 """Trains and evaluates an NNX image classifier: the story of one run, top to bottom."""
 
+from collections.abc import Iterable
 import concurrent.futures
+import functools
 import time
 
 from absl import logging
@@ -76,21 +78,21 @@ def eval_step(model: nnx.Module, metrics: Metrics,
 
 
 def evaluate(model: nnx.Module,
-             batches: list[input_pipeline.Batch]) -> tuple[dict[str, float], np.ndarray]:
+             batches: Iterable[input_pipeline.Batch]) -> tuple[dict[str, float], np.ndarray]:
   """Scores `model` in eval mode (running BatchNorm averages, no dropout) on every batch.
 
   Returns the eval metrics and the predicted class of every real (mask 1) example, in order.
+  `batches` is read once (a streamed split is read from its files on each pass).
   """
   model.eval()
   metrics = Metrics.empty()
   predictions = []
   for batch in batches:
     metrics, predicted = eval_step(model, metrics, batch)
-    predictions.append(predicted)
+    predictions.append((predicted, batch['mask']))
   model.train()
   return summarize(metrics, 'eval'), np.concatenate(
-      [parallel.to_host(predicted)[parallel.to_host(batch['mask'])]
-       for predicted, batch in zip(predictions, batches)])
+      [parallel.to_host(predicted)[parallel.to_host(mask)] for predicted, mask in predictions])
 
 
 def summarize(metrics: Metrics, prefix: str) -> dict[str, float]:
@@ -102,11 +104,14 @@ def summarize(metrics: Metrics, prefix: str) -> dict[str, float]:
 
 def load_data(config: ml_collections.ConfigDict, source: base.DataSource,
               info: base.DatasetInfo, mesh: jax.sharding.Mesh,
-              ) -> tuple[base.Split, list[input_pipeline.Batch]]:
-  """This process's training split in memory, and the whole eval split as device batches."""
-  train_split = source.load_split(parallel.process_split(config.train_split, drop_remainder=True))
-  return train_split, parallel.eval_batches(source.load_split, info.num_eval_examples, config,
-                                            mesh)
+              ) -> tuple[base.Split | input_pipeline.Streamed, Iterable[input_pipeline.Batch]]:
+  """This process's training split and the whole eval split as device batches.
+
+  Each is in memory or streamed from its files, as config.in_memory says.
+  """
+  open_split = functools.partial(input_pipeline.open_split, source, config=config)
+  train_split = open_split(parallel.process_split(config.train_split, drop_remainder=True))
+  return train_split, parallel.eval_batches(open_split, info.num_eval_examples, config, mesh)
 
 
 def create_model_and_optimizer(
@@ -161,7 +166,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   source = data_sources.open_source(config)
   info = source.info(config)
   config_checks.check_against_data(config, info.num_train_examples)
+  config_checks.check_augment(config, info.image_shape)
   logging.info('Dataset: %s', info)
+  if jax.process_index() == 0:  # For predict and export, which then need no data.
+    data_sources.save_info(workdir, info)
   steps_per_epoch = info.num_train_examples // config.batch_size
   num_steps = steps_per_epoch * config.num_epochs
 
@@ -172,9 +180,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     model, optimizer, schedule = create_model_and_optimizer(config, info, steps_per_epoch)
     compile_steps(model, optimizer, config, info, mesh)
     train_split, eval_batches = data.result()
-  # On the host once for the eval images, rather than copied back from the devices every epoch.
-  eval_examples = (summaries.real_examples(eval_batches) if config.num_misclassified_images
-                   else None)
+  # On the host once for the eval images, rather than copied back from the devices every epoch
+  # (a streamed eval split keeps only its labels, and reads the images drawn again).
+  eval_examples = None
+  if config.num_misclassified_images:
+    eval_examples = (eval_batches.real_examples(parallel.to_host)
+                     if isinstance(eval_batches, input_pipeline.StreamedBatches)
+                     else summaries.real_examples(eval_batches))
   parameter_overview.log_parameter_overview(nnx.state(model, nnx.Param).to_pure_dict(),
                                             msg=f'{config.model} parameters')
   # Window (since the last train-metrics write) and epoch metrics continue where they stopped.

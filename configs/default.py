@@ -6,9 +6,11 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   # Data.
-  config.data_source = 'tfds'  # Where the data comes from: 'tfds', 'huggingface' or 'torchvision'.
-  # TFDS or Hugging Face name (or local dir) of an image-classification dataset, or a
-  # torchvision.datasets class name such as 'MNIST'.
+  # Where the data comes from: 'tfds', 'folder' (root/<split>/<class>/<image>), 'huggingface'
+  # or 'torchvision'.
+  config.data_source = 'tfds'
+  # TFDS name (registered, or prepared in data_dir) or Hugging Face name (or local dir) of an
+  # image-classification dataset, an image folder's root, or a torchvision.datasets class name.
   config.dataset = 'mnist'
   # TFDS data dir, Hugging Face cache dir or torchvision root; None = TFDS's (or Hugging Face's)
   # default, which honours $TFDS_DATA_DIR. A typed placeholder so that --config.data_dir=/path
@@ -18,6 +20,16 @@ def get_config() -> ml_collections.ConfigDict:
   config.train_split = 'train'  # TFDS split to train on (slices such as 'train[:90%]' work).
   config.eval_split = 'test'  # TFDS split evaluated in full after every epoch.
   config.shuffle_buffer_size = 60_000  # Shuffle buffer; >= the split's size = a perfect shuffle.
+  # Every image resized to image_size x image_size as it is decoded (train, eval and predict);
+  # None = the dataset's own size, which must then be the same for all images.
+  config.image_size = ml_collections.config_dict.placeholder(int)
+  # 'always': decode each split into memory once; 'never': stream it from its files (TFDS and
+  # image folders) every epoch, holding only shuffle_buffer_size examples; 'auto': in memory
+  # when it fits a quarter of the machine's memory as float32, else streamed.
+  config.in_memory = 'auto'
+  # Training-batch augmentation, ops joined by '|' ('' = none): flip_lr,
+  # random_crop(size, pad=0), translate(pixels); e.g. 'random_crop(32, pad=4)|flip_lr'.
+  config.augment = ''
   config.input_backend = 'tf'  # Training batches from 'tf' (tf.data) or 'torch' (DataLoader).
   config.steps_per_dispatch = 1  # Train steps run per jit call (unrolled in one dispatch).
   # Model.

@@ -7,7 +7,7 @@ syntax for every source ('train', 'train[:2560]', 'train[:90%]+test').
 """
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 import dataclasses
 
 from absl import logging
@@ -83,8 +83,11 @@ class DataSource(abc.ABC):
     """The metadata of the config's splits (which must not be empty) and model input.
 
     The image shape is the one after resizing to `config.image_size`; images of varying sizes
-    need that setting.
+    need that setting. The splits are checked first: a mistyped split fails before any example
+    is read.
     """
+    num_train_examples = self._split_size(config, 'train_split')
+    num_eval_examples = self._split_size(config, 'eval_split')
     height, width, channels = self.image_shape
     if config.image_size:
       height = width = config.image_size
@@ -93,8 +96,8 @@ class DataSource(abc.ABC):
                       'resize them all to SxS pixels (e.g. the size of most of them).')
     return DatasetInfo(name=self.name, image_shape=(height, width, channels),
                        num_classes=self.num_classes,
-                       num_train_examples=self._split_size(config, 'train_split'),
-                       num_eval_examples=self._split_size(config, 'eval_split'),
+                       num_train_examples=num_train_examples,
+                       num_eval_examples=num_eval_examples,
                        class_names=tuple(self.class_names))
 
   def _split_size(self, config: ml_collections.ConfigDict, key: str) -> int:
@@ -116,11 +119,13 @@ class RangeSource(DataSource):
   """
 
   def __init__(self, name: str, sizes: dict[str, int], num_classes: int,
-               load_range: Callable[[str, slice], Split]):
+               load_range: Callable[[str, slice], Split],
+               class_names: Sequence[str] | None = None):
     super().__init__(name)
     self._sizes = sizes
     self._num_classes = num_classes
     self._load_range = load_range
+    self._class_names = tuple(class_names) if class_names is not None else None
 
   @property
   def image_shape(self) -> tuple[int, int, int]:
@@ -130,6 +135,10 @@ class RangeSource(DataSource):
   @property
   def num_classes(self) -> int:
     return self._num_classes
+
+  @property
+  def class_names(self) -> tuple[str, ...]:
+    return self._class_names or super().class_names
 
   def _ranges(self, spec: SplitArg) -> list[tuple[str, slice]]:
     """The (split, slice) pairs that a TFDS split spec such as 'train[:90%]+test' names."""

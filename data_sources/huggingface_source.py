@@ -40,5 +40,7 @@ def open_huggingface(config: ml_collections.ConfigDict) -> base.RangeSource:
     examples = dataset_dict[name].select(range(len(dataset_dict[name]))[part])
     return base.to_split(examples[image_key], examples[label_key])
 
-  return base.RangeSource(config.dataset, {name: len(split) for name, split in dataset_dict.items()},
-                          features[label_key].num_classes, load_range)
+  return base.RangeSource(config.dataset,
+                          {name: len(split) for name, split in dataset_dict.items()},
+                          features[label_key].num_classes, load_range,
+                          class_names=features[label_key].names)

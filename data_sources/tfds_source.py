@@ -34,6 +34,10 @@ class TfdsSource(base.DataSource):
   def num_classes(self) -> int:
     return self.builder.info.features['label'].num_classes
 
+  @property
+  def class_names(self) -> tuple[str, ...]:
+    return tuple(self.builder.info.features['label'].names)
+
   def num_examples(self, split: str) -> int:
     return self.builder.info.splits[split].num_examples
 
@@ -73,6 +77,15 @@ class TfdsSource(base.DataSource):
     images, labels = zip(*blocks.as_numpy_iterator())
     return base.Split(images=np.concatenate(images),
                       labels=np.concatenate(labels).astype(np.int32))
+
+  def examples(self, split: base.SplitArg, shuffle_seed: int | None = None) -> tf.data.Dataset:
+    """TFDS's reader: files interleaved (in an order drawn from `shuffle_seed`), parallel decode."""
+    # No autocache: TFDS would otherwise keep a small split in memory after its first pass.
+    read_config = tfds.ReadConfig(shuffle_seed=shuffle_seed, try_autocache=False)
+    dataset = self.builder.as_dataset(split=split, shuffle_files=shuffle_seed is not None,
+                                      read_config=read_config)
+    return dataset.map(lambda example: {'image': example['image'],
+                                        'label': tf.cast(example['label'], tf.int32)})
 
 
 def prepared_builder(name: str, data_dir: str | None) -> tfds.core.DatasetBuilder:

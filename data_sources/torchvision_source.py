@@ -28,4 +28,5 @@ def open_torchvision(config: ml_collections.ConfigDict) -> base.RangeSource:
 
   return base.RangeSource(config.dataset,
                           {name: len(dataset) for name, dataset in datasets.items()},
-                          len(datasets['train'].classes), load_range)
+                          len(datasets['train'].classes), load_range,
+                          class_names=datasets['train'].classes)

@@ -1,5 +1,6 @@
 """Eval-only mode: scores the latest checkpoint of a workdir on the whole eval split."""
 
+import functools
 import os
 
 from absl import logging
@@ -8,6 +9,7 @@ import jax
 import ml_collections
 
 import data_sources
+import input_pipeline
 import train
 from training import checkpointing
 from training import config_checks
@@ -26,7 +28,9 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   model, step = checkpointing.load_latest_model(config, workdir, info)
   logging.info('Evaluating the checkpoint at step %d on %s %r.', step, config.dataset,
                config.eval_split)
-  eval_batches = parallel.eval_batches(source.load_split, info.num_eval_examples, config, mesh)
+  eval_batches = parallel.eval_batches(
+      functools.partial(input_pipeline.open_split, source, config=config),
+      info.num_eval_examples, config, mesh)
   metrics, _ = train.evaluate(model, eval_batches)
   writer = metric_writers.create_default_writer(os.path.join(workdir, EVAL_DIR),
                                                 just_logging=jax.process_index() > 0)

@@ -105,7 +105,9 @@ def test_torchvision_mnist_equals_tfds(torchvision_root, tfds_data_dir, tfds_spl
   assert info == base.DatasetInfo(
       name='MNIST', image_shape=tfds_info.image_shape, num_classes=tfds_info.num_classes,
       num_train_examples=tfds_info.num_train_examples,
-      num_eval_examples=tfds_info.num_eval_examples)
+      num_eval_examples=tfds_info.num_eval_examples,
+      class_names=('0 - zero', '1 - one', '2 - two', '3 - three', '4 - four', '5 - five',
+                   '6 - six', '7 - seven', '8 - eight', '9 - nine'))  # torchvision's names.
 
   test = load_split('test')
   assert test.images.shape == (10_000, 28, 28, 1) == tfds_splits['test'].images.shape
@@ -125,7 +127,7 @@ def test_huggingface_local_dataset(huggingface_dir, tfds_splits):
   info, load_split = source.info(config), source.load_split
   assert info == base.DatasetInfo(name=huggingface_dir, image_shape=(28, 28, 1),
                                   num_classes=10, num_train_examples=12_800,
-                                  num_eval_examples=10_000)
+                                  num_eval_examples=10_000, class_names=tuple('0123456789'))
   test = load_split('test')
   assert test.images.shape == (10_000, 28, 28, 1) and test.images.dtype == np.uint8
   assert test.labels.dtype == np.int32
@@ -162,8 +164,8 @@ def test_missing_optional_package_names_it(monkeypatch, tmp_path, key, value, pa
 
 
 @pytest.mark.parametrize('overrides,message', [
-    (dict(data_source='tfsd'), r"Unknown data_source 'tfsd'.*\['huggingface', 'tfds', "
-                               r"'torchvision'\]"),
+    (dict(data_source='tfsd'), r"Unknown data_source 'tfsd'.*\['folder', 'huggingface', "
+                               r"'tfds', 'torchvision'\]"),
     (dict(input_backend='jax'), r"Unknown input_backend 'jax'.*\['tf', 'torch'\]"),
     (dict(data_source='torchvision', dataset='mnist', data_dir='/tmp'),
      r"Unknown torchvision dataset 'mnist'.*'MNIST'"),

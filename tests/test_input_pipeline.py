@@ -110,7 +110,8 @@ def test_real_mnist_info_and_splits(tfds_data_dir):
   info = source.info(config)
   assert info == base.DatasetInfo(name='mnist', image_shape=(28, 28, 1),
                                             num_classes=10, num_train_examples=60_000,
-                                            num_eval_examples=10_000)
+                                            num_eval_examples=10_000,
+                                            class_names=tuple('0123456789'))
   test = source.load_split('test')
   assert test.images.shape == (10_000, 28, 28, 1) and test.images.dtype == np.uint8
   assert sorted(np.unique(test.labels)) == list(range(10))

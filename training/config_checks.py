@@ -8,6 +8,8 @@ import tempfile
 import ml_collections
 
 import data_sources
+from data_sources import augmentations
+import input_pipeline
 import kernels
 import models
 from training import optimizers
@@ -25,9 +27,15 @@ def _require(condition: bool, message: str) -> None:
     raise ConfigError(message)
 
 
-def check_config(config: ml_collections.ConfigDict) -> None:
-  """Checks every value that can be judged without the data."""
-  _check_data_source(config)
+def check_config(config: ml_collections.ConfigDict, data_source: bool = True) -> None:
+  """Checks every value that can be judged without the data.
+
+  `data_source=False` leaves out the data source and dataset, for modes that read a workdir's
+  saved dataset info instead of the data (predict, export).
+  """
+  if data_source:
+    _check_data_source(config)
+  _check_input(config)
   for key, valid in (('model', models.MODELS), ('optimizer', optimizers.OPTIMIZERS),
                      ('schedule', optimizers.SCHEDULES), ('cpu_kernels', kernels.CPU_KERNELS)):
     _require(config[key] in valid,
@@ -75,9 +83,21 @@ def _check_data_source(config: ml_collections.ConfigDict) -> None:
   if config.data_source == 'tfds':
     import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (slow import)
     known = tfds.list_builders(with_community_datasets=False)
-    _require(config.dataset.split('/')[0].split(':')[0] in known,
-             f'Unknown dataset {config.dataset!r}: config.dataset must be a TFDS dataset name '
-             "such as 'mnist', 'fashion_mnist', 'kmnist' or 'cifar10' (see tfds.list_builders()).")
+    if config.dataset.split('/')[0].split(':')[0] not in known:
+      try:  # A dataset prepared in data_dir needs no registered builder: TFDS reads its files.
+        tfds.builder(config.dataset, data_dir=config.data_dir)
+      except Exception as error:  # TFDS raises several types; all mean "not found" here.
+        raise ConfigError(
+            f'Unknown dataset {config.dataset!r}: config.dataset must be a TFDS dataset name '
+            "such as 'mnist', 'fashion_mnist', 'kmnist' or 'cifar10' (see tfds.list_builders()), "
+            'or the name of a dataset prepared in config.data_dir (now '
+            f'{config.data_dir or "TFDS default: $TFDS_DATA_DIR or ~/tensorflow_datasets"}).'
+        ) from error
+  elif config.data_source == 'folder':
+    _require(os.path.isdir(config.dataset),
+             f'Image folder {config.dataset!r} is not a directory: with '
+             "config.data_source='folder', config.dataset must be the root of the layout "
+             '<root>/<split>/<class name>/<image file>.')
   elif config.data_source == 'torchvision':
     import torchvision  # pylint: disable=g-import-not-at-top  (optional, checked above)
     _require(config.dataset in torchvision.datasets.__all__,
@@ -86,6 +106,37 @@ def _check_data_source(config: ml_collections.ConfigDict) -> None:
     _require(config.data_dir is not None,
              "config.data_source='torchvision' needs config.data_dir: the root that holds the "
              'data (for MNIST: ROOT/MNIST/raw/).')
+
+
+def _check_input(config: ml_collections.ConfigDict) -> None:
+  """Checks image_size, in_memory and augment, and that the source and backend can serve them."""
+  size = config.image_size
+  _require(size is None or (isinstance(size, int) and not isinstance(size, bool) and size >= 1),
+           f'config.image_size={size!r} is invalid: it must be an integer >= 1 (every image is '
+           "resized to that many pixels square) or None (the dataset's own size).")
+  _require(config.in_memory in input_pipeline.IN_MEMORY,
+           f'Unknown in_memory {config.in_memory!r}: config.in_memory must be one of '
+           f'{list(input_pipeline.IN_MEMORY)}.')
+  _require(config.in_memory != 'never' or config.data_source in data_sources.STREAMING_SOURCES,
+           f"config.in_memory='never' streams splits from their files, which data_source "
+           f"{config.data_source!r} cannot: use in_memory='auto' or 'always', or a data_source "
+           f'in {list(data_sources.STREAMING_SOURCES)}.')
+  try:
+    augment = augmentations.parse(config.augment)
+  except ValueError as error:
+    raise ConfigError(f'config.augment={config.augment!r} is invalid: {error}.') from error
+  _require(config.input_backend == 'tf' or (config.in_memory != 'never' and not augment),
+           f"config.input_backend={config.input_backend!r} takes in-memory splits without "
+           "augmentation: use input_backend='tf' for in_memory='never' or config.augment.")
+
+
+def check_augment(config: ml_collections.ConfigDict, image_shape: tuple[int, int, int]) -> None:
+  """Checks that config.augment gives training images of the model's `image_shape`."""
+  try:
+    augmentations.check(config.augment, image_shape)
+  except ValueError as error:
+    raise ConfigError(f'config.augment={config.augment!r} does not fit the data: {error}.'
+                      ) from error
 
 
 def _require_package(key: str, value: str) -> None:

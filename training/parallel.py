@@ -114,14 +114,16 @@ def eval_batch_size(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) 
   return -(-config.eval_batch_size // mesh.size) * mesh.size
 
 
-def eval_batches(load_split: Callable[[tfds.typing.SplitArg], base.Split], num_examples: int,
-                 config: ml_collections.ConfigDict,
-                 mesh: jax.sharding.Mesh) -> list[input_pipeline.Batch]:
+def eval_batches(
+    load_split: Callable[[tfds.typing.SplitArg], base.Split | input_pipeline.Streamed],
+    num_examples: int, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
+) -> list[input_pipeline.Batch] | input_pipeline.StreamedBatches:
   """The whole eval split as sharded, masked batches; each example counts exactly once.
 
   Each process loads its slice (sizes differ by at most one) and pads it to as many batches as
-  the largest slice needs, so all processes run the same number of eval steps. The batches stay
-  on the devices for the whole run (MNIST-scale eval splits), sparing a transfer per epoch.
+  the largest slice needs, so all processes run the same number of eval steps. An in-memory
+  split's batches stay on the devices for the whole run (MNIST-scale eval splits), sparing a
+  transfer per epoch; a streamed split is read and sharded again on every pass.
   """
   global_batch = eval_batch_size(config, mesh)
   if global_batch != config.eval_batch_size:
@@ -132,5 +134,5 @@ def eval_batches(load_split: Callable[[tfds.typing.SplitArg], base.Split], num_e
   largest_slice = -(-num_examples // num_processes)
   num_batches = -(-largest_slice // local_batch)
   split = load_split(process_split(config.eval_split))
-  return [shard(batch, mesh)
-          for batch in input_pipeline.eval_batches(split, local_batch, num_batches)]
+  return input_pipeline.eval_batches(split, local_batch, num_batches,
+                                     place=lambda batch: shard(batch, mesh))
