@@ -151,12 +151,13 @@ def run_grid(config_file: str, overrides: dict[str, str], sweep: dict[str, spec.
   """Runs the grid; returns the results, the table's columns and the failed runs."""
   planned = plan_runs(config_file, overrides, sweep)
   config_checks.check_workdir(FLAGS.workdir)
-  pending = check_finished_runs(planned, config_file, FLAGS.workdir)
-  logging.info('Sweep of %d runs in %s: %d finished, %d to run, %d at a time.', len(planned),
-               FLAGS.workdir, len(planned) - len(pending), len(pending), FLAGS.parallel)
-  with concurrent.futures.ThreadPoolExecutor(FLAGS.parallel) as pool:
-    results = list(pool.map(
-        lambda run: execute(run, config_file, FLAGS.workdir, launcher, metric), planned))
+  with runs.hold(FLAGS.workdir):
+    pending = check_finished_runs(planned, config_file, FLAGS.workdir)
+    logging.info('Sweep of %d runs in %s: %d finished, %d to run, %d at a time.', len(planned),
+                 FLAGS.workdir, len(planned) - len(pending), len(pending), FLAGS.parallel)
+    with concurrent.futures.ThreadPoolExecutor(FLAGS.parallel) as pool:
+      results = list(pool.map(
+          lambda run: execute(run, config_file, FLAGS.workdir, launcher, metric), planned))
   finished = [result for result in results if result]
   columns = ['run', 'overrides', f'best_{metric}', f'final_{metric}', 'epochs', 'wall_time_s']
   if any('test_accuracy' in result for result in finished):
@@ -172,16 +173,17 @@ def run_search(config_file: str, overrides: dict[str, str], sweep: dict[str, spe
   space = spec.search_space(config_file, overrides, sweep)
   config_checks.check_workdir(FLAGS.workdir)
   if grid_runs := glob.glob(os.path.join(glob.escape(FLAGS.workdir), '*', DONE_FILE)):
-    raise spec.SweepError(f'{FLAGS.workdir} holds a grid sweep ({os.path.dirname(grid_runs[0])}): '
-                          'use another --workdir for the search.')
+    raise spec.SweepError(f'{FLAGS.workdir} holds a grid sweep ({os.path.dirname(grid_runs[0])})'
+                          ': use another --workdir for the search.')
   settings = {'config': config_file, 'overrides': ' '.join(spec.override_args(overrides)),
               'search': FLAGS.search, 'metric': metric,
               'space': {key: str(values) if isinstance(values, spec.Range) else ','.join(values)
                         for key, values in sweep.items()}}
-  study = search.open_study(FLAGS.workdir, settings, FLAGS.search, FLAGS.search_seed,
-                            FLAGS.startup_trials, FLAGS.prune)
-  search.run_trials(study, space, FLAGS.num_trials, FLAGS.parallel, launcher, config_file,
-                    spec.override_args(overrides), FLAGS.workdir, metric)
+  with runs.hold(FLAGS.workdir):
+    study = search.open_study(FLAGS.workdir, settings, FLAGS.search, FLAGS.search_seed,
+                              FLAGS.startup_trials, FLAGS.prune)
+    search.run_trials(study, space, FLAGS.num_trials, FLAGS.parallel, launcher, config_file,
+                      spec.override_args(overrides), FLAGS.workdir, metric)
   rows, columns = search.results(study, space, metric)
   return rows, columns, [row['run'] for row in rows if row['state'] == 'failed']
 

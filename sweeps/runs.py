@@ -1,6 +1,8 @@
-"""main.py runs of a sweep, each in its own directory: launching, stopping, metrics, results table."""
+"""A sweep's main.py runs, each in its own directory: launching, stopping, metrics, results."""
 
+import contextlib
 import csv
+import fcntl
 import logging as std_logging
 import os
 import signal
@@ -12,6 +14,8 @@ from typing import Callable
 from absl import logging
 from tensorboard.backend.event_processing import event_accumulator
 import tensorflow as tf
+
+from sweeps import spec
 
 MAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'main.py')
 POLL_SECONDS = 2  # How often a running trial's TensorBoard files are read (for pruning).
@@ -88,6 +92,22 @@ class Launcher:
         tail = ''.join(log.readlines()[-15:])
       logging.error('Run %s failed (exit %d); end of %s:\n%s', name, returncode, log_file, tail)
     return returncode
+
+
+@contextlib.contextmanager
+def hold(workdir: str):
+  """Holds the sweep's workdir until the block ends; SweepError if another sweep holds it.
+
+  A second sweep.py there would take this one's running runs for interrupted ones and run them
+  again. The `flock` ends with the process, however it ends.
+  """
+  with open(os.path.join(workdir, 'sweep.lock'), 'a') as lock:
+    try:
+      fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      raise spec.SweepError(f'{workdir} is in use by another sweep.py: wait for it to end or '
+                            'stop it, or pass another --workdir.') from None
+    yield
 
 
 def scalars(run_dir: str, tags: list[str]) -> dict[str, list[float]]:

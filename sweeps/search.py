@@ -88,7 +88,8 @@ def run_trials(study: optuna.Study, space: dict, num_trials: int, parallel: int,
         logging.info('Trial %d: resuming in %s', frozen.number, run_dir_name(frozen.number))
         # Built as Study.ask builds it, for a trial that exists already: with its number,
         # parameters and reports.
-        return optuna.Trial(study, frozen._trial_id), set(frozen.intermediate_values)  # pylint: disable=protected-access
+        trial = optuna.Trial(study, frozen._trial_id)  # pylint: disable=protected-access
+        return trial, set(frozen.intermediate_values)
       if len(study.get_trials(deepcopy=False)) >= num_trials:
         return None
       trial = study.ask(space)

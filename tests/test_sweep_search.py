@@ -242,6 +242,21 @@ def test_results_table_has_a_row_per_trial(tmp_path):
   assert all(row['state'] == 'complete' and row['epochs'] == str(NUM_EPOCHS) for row in written)
 
 
+
+def test_one_sweep_at_a_time_per_workdir(tmp_path):
+  with runs.hold(str(tmp_path)):
+    with pytest.raises(spec.SweepError, match='is in use by another sweep.py: wait for it'):
+      with runs.hold(str(tmp_path)):
+        pass
+  with runs.hold(str(tmp_path)):  # Released at the end of the block.
+    pass
+
+
+def test_grid_in_a_search_workdir_is_refused(tmp_path):
+  (tmp_path / search.STUDY_FILE).touch()
+  with pytest.raises(spec.SweepError, match=r'holds a random/TPE search \(optuna_journal.log\)'):
+    sweep.check_finished_runs([], 'configs/default.py', str(tmp_path))
+
 # Real searches: tiny MLP runs on real MNIST (2 epochs of 4-8 steps, 256 eval examples).
 SEARCH_FLAGS = ('--search=random', '--search_seed=10', '--sweep=learning_rate=loguniform(1e-4,0.3)',
                 '--sweep=momentum=uniform(0.5,0.9)', '--sweep=batch_size=choice(32,64)',
