@@ -12,6 +12,7 @@ from PIL import Image
 import pytest
 
 from data_sources import base
+import tensorflow_datasets as tfds
 from tensorflow_datasets.core import hashing
 
 from training import config_checks
@@ -21,6 +22,7 @@ import train
 from configs import default
 from conftest import SHARED_MNIST
 from conftest import requires_extras
+import image_folders
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -246,3 +248,53 @@ def test_short_runs_through_huggingface_and_the_torch_backend(torchvision_root, 
     metrics = train.train_and_evaluate(config, str(tmp_path / name))
     assert metrics['eval_num_examples'] == 10_000, (name, metrics)
     assert metrics['eval_accuracy'] > 0.9, (name, metrics)
+
+
+@pytest.fixture(scope='module')
+def custom_tfds_dir(tmp_path_factory):
+  """A dataset a user prepared with store_as_tfds_dataset: in data_dir, not in TFDS's registry.
+
+  Colour images of varying sizes: 'shapes_custom' is not a registered name.
+  """
+  rng = np.random.default_rng(0)
+  names = list(image_folders.SHAPES)
+
+  def examples(count):
+    return [(f'{index}', {'image': np.asarray(image_folders.shape_image(
+        rng, names[index % 3], tuple(rng.integers(12, 21, 2)), colour=True)),
+                          'label': index % 3}) for index in range(count)]
+
+  data_dir = str(tmp_path_factory.mktemp('custom_tfds'))
+  tfds.dataset_builders.store_as_tfds_dataset(
+      name='shapes_custom', version='1.0.0', data_dir=data_dir,
+      features=tfds.features.FeaturesDict({
+          'image': tfds.features.Image(shape=(None, None, 3)),
+          'label': tfds.features.ClassLabel(names=names)}),
+      split_datasets={'train': examples(40), 'test': examples(12)})
+  return data_dir
+
+
+def test_a_prepared_tfds_dataset_loads_by_name_and_data_dir(custom_tfds_dir):
+  overrides = dict(dataset='shapes_custom', data_dir=custom_tfds_dir, image_size=16,
+                   batch_size=8, num_epochs=1, shuffle_buffer_size=8)
+  config = _config(**overrides)
+  config_checks.check_config(config)  # Not in tfds.list_builders(), but TFDS can load it.
+  source = data_sources.open_source(config)
+  assert source.image_shape == (None, None, 3)
+  with pytest.raises(base.DataError, match='--config.image_size'):
+    source.info(_config(**{**overrides, 'image_size': None}))
+  assert source.info(config) == base.DatasetInfo(
+      name='shapes_custom', image_shape=(16, 16, 3), num_classes=3, num_train_examples=40,
+      num_eval_examples=12, class_names=tuple(image_folders.SHAPES))
+  # Varying sizes, resized as decoded: in memory and streamed, the same examples in an epoch.
+  in_memory = input_pipeline.open_split(source, 'train', _config(**overrides, in_memory='always'))
+  streamed = input_pipeline.open_split(source, 'train', _config(**overrides, in_memory='never'))
+  assert in_memory.images.shape == (40, 16, 16, 3)
+  epochs = [sorted(image.tobytes() for chunk in input_pipeline.train_batches(split, config)
+                   for image in chunk['image'].reshape(-1, 16 * 16 * 3))
+            for split in (in_memory, streamed)]
+  assert len(epochs[0]) == 40 and epochs[0] == epochs[1]
+  # A name that is neither registered nor prepared there is still refused.
+  with pytest.raises(config_checks.ConfigError, match=r"Unknown dataset 'shapes_kustom'.*"
+                                                      r'prepared in config.data_dir'):
+    config_checks.check_config(_config(**{**overrides, 'dataset': 'shapes_kustom'}))

@@ -5,11 +5,14 @@ import os
 import ml_collections
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from data_sources import tfds_source
 
+from data_sources import augmentations
 from data_sources import base
 import tensorflow_datasets as tfds
+from training import config_checks
 
 import data_sources
 import input_pipeline
@@ -137,3 +140,95 @@ def test_unprepared_offline_dataset_names_the_manual_dir(tmp_path, monkeypatch):
   assert os.path.join(str(tmp_path), 'downloads', 'manual') in message
   for name in ('train-images-idx3-ubyte.gz', 't10k-labels-idx1-ubyte.gz'):
     assert name in message
+
+
+@pytest.mark.parametrize('overrides,message', [
+    (dict(image_size=0), r'config.image_size=0 is invalid: it must be an integer >= 1'),
+    (dict(image_size=-3), r'config.image_size=-3 is invalid'),
+    (dict(in_memory='sometimes'), r"Unknown in_memory 'sometimes'.*\['auto', 'always', "
+                                  r"'never'\]"),
+    (dict(augment='rotate(10)'), r"config.augment='rotate\(10\)' is invalid: unknown op "
+                                 r"'rotate' \(ops: flip_lr, random_crop\(size, pad=0\), "
+                                 r'translate\(pixels\)\)'),
+    (dict(augment='flip_lr|random_crop(32, pad=-1)'), r'bad arguments for .random_crop\(32, '
+                                                      r'pad=-1\).: pad=-1 must be an integer >= 0'),
+    (dict(augment='random_crop(32, 4, 5)'), r'bad arguments for .*takes from 1 to 2 positional'),
+    (dict(augment='random_crop(32'), r"'random_crop\(32' is not an op with literal arguments"),
+    (dict(augment='translate(size)'), r"'translate\(size\)' is not an op with literal arguments"),
+    (dict(input_backend='torch', augment='flip_lr'), r"config.input_backend='torch' takes "
+                                                     r'in-memory splits without augmentation'),
+])
+def test_bad_input_values_are_one_line_errors(overrides, message):
+  if overrides.get('input_backend') == 'torch':
+    requires_extras('torch')
+  with pytest.raises(config_checks.ConfigError, match=message):
+    config_checks.check_config(_config(**overrides))
+
+
+def test_streaming_needs_a_source_that_streams():
+  requires_extras('datasets')
+  with pytest.raises(config_checks.ConfigError,
+                     match=r"in_memory='never' streams .* data_source 'huggingface' cannot"):
+    config_checks.check_config(_config(data_source='huggingface', in_memory='never'))
+
+
+def test_a_crop_must_keep_the_model_input_size():
+  config = _config(augment='random_crop(32, pad=4)|flip_lr')
+  config_checks.check_augment(config, (32, 32, 3))
+  with pytest.raises(config_checks.ConfigError, match=r"config.augment='random_crop\(32, pad=4\)"
+                                                      r"\|flip_lr' does not fit the data: it "
+                                                      r'turns 28x28 images into 32x32 ones'):
+    config_checks.check_augment(config, (28, 28, 1))
+
+
+def _windows(padded, size):
+  """Every size x size window of a padded image (H, W, C)."""
+  return [padded[row:row + size, column:column + size]
+          for row in range(padded.shape[0] - size + 1)
+          for column in range(padded.shape[1] - size + 1)]
+
+
+def test_augmentation_ops_draw_per_image():
+  rng = np.random.default_rng(0)
+  images = rng.random((64, 6, 6, 2)).astype(np.float32)
+  seed = tf.constant([3, 4], tf.int64)
+  flipped = augmentations.apply(augmentations.parse('flip_lr'), images, seed).numpy()
+  mirrored = [np.array_equal(out, image[:, ::-1]) for out, image in zip(flipped, images)]
+  assert all(mirrored[i] or np.array_equal(flipped[i], images[i]) for i in range(64))
+  assert 16 < sum(mirrored) < 48  # About half, drawn per image.
+  for spec, pad in (('random_crop(6, pad=2)', 2), ('translate(1)', 1)):
+    out = augmentations.apply(augmentations.parse(spec), images, seed).numpy()
+    assert out.shape == images.shape
+    offsets = set()
+    for crop, image in zip(out, images):
+      windows = _windows(np.pad(image, ((pad, pad), (pad, pad), (0, 0))), 6)
+      matches = [index for index, window in enumerate(windows) if np.array_equal(window, crop)]
+      assert matches, spec  # Each output is one window of its zero-padded image...
+      offsets.add(matches[0])
+    assert len(offsets) > 1, spec  # ...at offsets that differ between images.
+  cropped = augmentations.apply(augmentations.parse('random_crop(4)'), images, seed)
+  assert cropped.shape == (64, 4, 4, 2)
+
+
+def test_augmented_batches_are_seeded_and_resume_exactly():
+  split = _split(100, image_shape=(6, 6, 1))
+  config = _config(num_epochs=2, steps_per_dispatch=3, augment='translate(2)|flip_lr')
+  full = list(input_pipeline.train_batches(split, config))
+  again = list(input_pipeline.train_batches(split, config))
+  plain = list(input_pipeline.train_batches(split, _config(num_epochs=2, steps_per_dispatch=3)))
+  other = list(input_pipeline.train_batches(split, _config(**{**config, 'seed': 1})))
+  for got, want in zip(again, full):
+    np.testing.assert_array_equal(got['image'], want['image'])
+  # Same example order as without augmentation; other pixels; another seed draws otherwise.
+  assert all(np.array_equal(a['label'], p['label']) for a, p in zip(full, plain))
+  assert not all(np.array_equal(a['image'], p['image']) for a, p in zip(full, plain))
+  def by_id(chunks):  # Epoch 0's augmented image of each example id.
+    return {int(label): image for chunk in chunks[:4]
+            for label, image in zip(chunk['label'].ravel(), chunk['image'].reshape(-1, 6, 6, 1))}
+  ours, theirs = by_id(full), by_id(other)
+  assert not all(np.array_equal(ours[i], theirs[i]) for i in ours.keys() & theirs.keys())
+  resumed = list(input_pipeline.train_batches(split, config, start_epoch=1, start_step=6))
+  assert len(resumed) == len(full) - 6
+  for got, want in zip(resumed, full[6:]):
+    np.testing.assert_array_equal(got['image'], want['image'])
+    np.testing.assert_array_equal(got['label'], want['label'])
