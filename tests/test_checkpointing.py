@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from training import checkpointing
 from training import config_checks
+from training import workdirs
 from modes import evaluate
 from modes import export
 import input_pipeline
@@ -124,6 +125,7 @@ def test_sigkill_then_rerun_ends_like_an_uninterrupted_run(reference, tfds_data_
   log = _run(workdir, tfds_data_dir)
   restored = int(re.search(r'Restored checkpoint at step (\d+)', log).group(1))
   assert 0 < restored < NUM_STEPS
+  assert not os.path.exists(os.path.dirname(partial))  # Removed at the start.
   _assert_same_state(reference, workdir)
   assert _final_eval(workdir) == _final_eval(reference)
   # Points written before the kill and again after the resume agree: nothing contradicts.
@@ -186,9 +188,14 @@ def test_nonfinite_loss_halts_and_keeps_the_checkpoints(reference, tfds_data_dir
     ({'batch_size': 64}, r'written with 10 steps per epoch, but config.batch_size=64 .* give 20'),
 ])
 def test_resuming_with_a_different_structure_names_the_difference(
-    reference, tfds_data_dir, overrides, message):
+    reference, tfds_data_dir, tmp_path, overrides, message):
+  # Without the saved config (a workdir of an older version), which refuses such changes first
+  # (tests/test_reliability.py), the checkpoint's own structure is checked.
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(reference, workdir)
+  os.remove(os.path.join(workdir, workdirs.CONFIG_FILE))
   with pytest.raises(config_checks.ConfigError, match=message):
-    train.train_and_evaluate(_config(tfds_data_dir, **overrides), reference)
+    train.train_and_evaluate(_config(tfds_data_dir, **overrides), workdir)
 
 
 @pytest.mark.slow

@@ -154,7 +154,7 @@ def test_the_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path, caplog)
 def test_two_runs_on_one_workdir_the_second_is_refused(tfds_data_dir, tmp_path):
   workdir = tmp_path / 'run'
   first = subprocess.Popen(
-      _main_command(workdir, tfds_data_dir, '--config.train_split=train[:4096]',
+      _main_command(workdir, tfds_data_dir, '--config.train_split=train[:2048]',
                     '--config.learning_rate=0.05'),
       cwd=ROOT, stderr=subprocess.PIPE, text=True)
   try:
@@ -339,8 +339,10 @@ def test_user_mistakes_end_in_one_line_before_training(tfds_data_dir, tmp_path, 
   (tmp_path / 'syntax.py').write_text('def get_config(:\n  pass\n')
   (tmp_path / 'no_get_config.py').write_text('CONFIG = {}\n')
   flags = [flag.replace('CONFIG_DIR', str(tmp_path)) for flag in flags]
-  result = subprocess.run(_main_command(tmp_path / 'run', tfds_data_dir, *flags), cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+  command = (_main_command(tmp_path / 'run', tfds_data_dir, *flags)
+             if flags[0].startswith('--config.') else
+             [sys.executable, 'main.py', *flags, f'--workdir={tmp_path / "run"}'])
+  result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
   _assert_one_line_error(result, line.replace('CONFIG_DIR', str(tmp_path)))
   assert 'Training for' not in result.stderr
 

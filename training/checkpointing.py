@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import time
 
 from absl import logging
@@ -309,6 +310,8 @@ class Checkpointer:
       self._halt(f'The training state is not finite at step {step}')
     start = time.time()
     epoch, step_in_epoch = divmod(step, steps_per_epoch)
+    unraisable = []  # What Orbax's writer threads fail to raise during the save.
+    report_unraisable, sys.unraisablehook = sys.unraisablehook, unraisable.append
     try:
       self._manager.save(step, args=ocp.args.Composite(
           progress=ocp.args.JsonSave({'epoch': epoch, 'step_in_epoch': step_in_epoch,
@@ -316,13 +319,20 @@ class Checkpointer:
           **{name: ocp.args.StandardSave(item) for name, item in items.items()}))
     except Exception as error:  # pylint: disable=broad-except  (re-raised unless an OS error)
       if (reason := io_failure(error)) is None:
+        sys.unraisablehook = report_unraisable
         raise
+      # The run ends with this error. Orbax's other writer threads of this save still stop one
+      # by one (until exit), each reporting the event loop that the failed write closed: they
+      # say nothing more than this error, so they are not printed.
       self._remove_partial_saves()
       kept = self.all_steps()
       raise SaveError(
           f'Could not save the checkpoint at step {step} in {self.directory}: {reason}. The '
           f'earlier checkpoints (steps {", ".join(map(str, kept)) or "none"}) are kept; free '
           'space (or fix the permissions) and rerun the same command to resume.') from error
+    sys.unraisablehook = report_unraisable
+    for report in unraisable:
+      report_unraisable(report)
     logging.info('Saved checkpoint at step %d in %.2fs.', step, time.time() - start)
     if preempted and step < num_steps:
       if self._signal:
