@@ -33,21 +33,26 @@ def get_config() -> ml_collections.ConfigDict:
   config.input_backend = 'tf'  # Training batches from 'tf' (tf.data) or 'torch' (DataLoader).
   config.steps_per_dispatch = 1  # Train steps run per jit call (unrolled in one dispatch).
   # Model.
-  config.model = 'cnn'  # A name in models.MODELS: 'cnn' (the flax MNIST example's) or 'mlp'.
+  # A name in models.MODELS: 'cnn' (the flax MNIST example's), 'mlp' or 'resnet' (ResNet-20 for
+  # 32x32 colour images, see configs/cifar10.py).
+  config.model = 'cnn'
   # Each model's constructor options, by model name (the one of config.model is used).
   config.model_options = ml_collections.ConfigDict({
       'cnn': {'conv1_features': 32, 'conv2_features': 64, 'hidden_features': 256,
               'dropout_rate': 0.025},
       'mlp': {'hidden_features': (512, 512)},
+      # Stage widths (a stage per width, each after the first at half the resolution) and
+      # residual blocks per stage: 6 * blocks_per_stage + 2 layers.
+      'resnet': {'widths': (16, 32, 64), 'blocks_per_stage': 3},
   })
   # 'auto': layers written for XLA:CPU (kernels/cpu.py) on the CPU backend, flax's stock layers
   # elsewhere; 'off': always the stock layers. Both compute the same function.
   config.cpu_kernels = 'auto'
   # Optimisation.
-  config.optimizer = 'sgd'  # 'sgd' (with momentum), 'adam' or 'adamw'.
+  config.optimizer = 'sgd'  # 'sgd' (with momentum), 'sgd_l2' (and weight decay), 'adam', 'adamw'.
   config.learning_rate = 0.1  # Peak learning rate.
   config.momentum = 0.9  # SGD momentum (0 = plain SGD); ignored by adam/adamw.
-  config.weight_decay = 1e-4  # Decoupled weight decay, used by adamw only.
+  config.weight_decay = 1e-4  # adamw: decoupled weight decay; sgd_l2: L2 on the gradients.
   config.schedule = 'constant'  # 'constant', 'cosine' or 'warmup_cosine' (decays to 0 at the end).
   config.warmup_epochs = 0.0  # Linear warm-up length for 'warmup_cosine', in epochs.
   config.batch_size = 128  # Training examples per step.

@@ -15,8 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize('key,value,message', [
     ('dataset', 'mnistt', r"Unknown dataset 'mnistt'"),
-    ('model', 'resnet', r"Unknown model 'resnet'.*\['cnn', 'mlp'\]"),
-    ('optimizer', 'sgdd', r"Unknown optimizer 'sgdd'.*\['adam', 'adamw', 'sgd'\]"),
+    ('model', 'resnet50', r"Unknown model 'resnet50'.*\['cnn', 'mlp', 'resnet'\]"),
+    ('optimizer', 'sgdd', r"Unknown optimizer 'sgdd'.*\['adam', 'adamw', 'sgd', 'sgd_l2'\]"),
     ('schedule', 'linear', r"Unknown schedule 'linear'.*\['constant', 'cosine', 'warmup_cosine'\]"),
     ('batch_size', 0, r'config.batch_size=0 is invalid: it must be an integer >= 1'),
     ('batch_size', -5, r'config.batch_size=-5 is invalid'),

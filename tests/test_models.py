@@ -10,8 +10,10 @@ import kernels
 import models
 import train
 from benchmarks import reference_mnist
+from configs import cifar10
 from configs import default
 from data_sources import base
+import image_folders
 from training import config_checks
 
 
@@ -41,6 +43,40 @@ def test_cnn_parameter_count():
   assert _count(model, nnx.Param) == 824_650
   # Running mean and variance of both BatchNorms (not trained by the optimizer).
   assert _count(model, nnx.BatchStat) == 192
+
+
+def test_resnet20_parameter_count_and_shapes():
+  model = nnx.eval_shape(lambda: _create('resnet', (32, 32, 3)))  # Shapes only: no init cost.
+  # stem 432 + 32; stage 1: 3 x (2 x 2,304 + 2 x 32); stage 2: 4,608 + 9,216 + 128 + shortcut
+  # 512 + 64, then 2 x (2 x 9,216 + 128); stage 3: 18,432 + 36,864 + 256 + shortcut 2,048 + 128,
+  # then 2 x (2 x 36,864 + 256); linear 650. ResNet-20's 0.27M (He et al. 2016).
+  assert _count(model, nnx.Param) == 272_474
+  assert len(model.blocks) == 9
+  assert [block.downsample for block in model.blocks] == [False] * 3 + [True, False, False] * 2
+
+
+
+def test_resnet_cpu_layers_compute_the_stock_function(image_shape=(28, 28, 1)):
+  """Narrow and shallow (for test time), but with every kind of block: plain, downsampling."""
+  def create(cpu_kernels):
+    return models.create_compiled(lambda: _create(
+        'resnet', image_shape, num_classes=7, cpu_kernels=cpu_kernels,
+        model_options={'resnet': {'widths': (4, 8), 'blocks_per_stage': 2}}))
+  stock, cpu = create('off'), create('auto')
+  assert [block.conv2.kernel.shape for block in cpu.blocks] == [(3, 3, 4, 4)] * 2 + [
+      (3, 3, 8, 8)] * 2
+  assert isinstance(cpu.stem, kernels.cpu.Conv) and not isinstance(stock.stem, kernels.cpu.Conv)
+  x = jax.random.uniform(jax.random.key(0), (4, *image_shape))
+
+  @nnx.jit
+  def outputs_and_grads(model):
+    return model(x), nnx.grad(lambda model: jnp.sin(model(x)).sum())(model)
+
+  (cpu_out, cpu_grads), (stock_out, stock_grads) = outputs_and_grads(cpu), outputs_and_grads(stock)
+  assert cpu_out.shape == (4, 7)
+  np.testing.assert_allclose(cpu_out, stock_out, rtol=1e-4, atol=1e-4)  # Train mode.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4),
+               cpu_grads, stock_grads)
 
 
 def test_mlp_parameter_count():
@@ -99,8 +135,8 @@ def test_cnn_eval_mode_is_deterministic_and_freezes_batch_stats():
 
 
 def test_unknown_model_lists_valid_names():
-  with pytest.raises(ValueError, match=r"Unknown model 'resnet'.*\['cnn', 'mlp'\]"):
-    _create('resnet')
+  with pytest.raises(ValueError, match=r"Unknown model 'resnet50'.*\['cnn', 'mlp', 'resnet'\]"):
+    _create('resnet50')
 
 
 class TinyNet(nnx.Module):
@@ -133,3 +169,20 @@ def test_a_model_added_to_the_registry_trains_from_the_config_alone(monkeypatch)
   metrics = train.train_steps(model, optimizer, train.Metrics.empty(), batches)
   assert train.summarize(metrics, 'train')['train_num_examples'] == 96
   assert not np.allclose(model.conv.kernel[...], kernel_before)
+
+
+def test_cifar10_recipe_trains_on_generated_colour_images(tmp_path):
+  """configs/cifar10.py (a narrower, shallower ResNet, for CPU time) on 32x32 colour shapes."""
+  root = str(tmp_path / 'shapes')
+  image_folders.make_shapes_folder(root, {'train': 32, 'test': 8}, image_sizes=(32, 32),
+                                   gray_every=1000, corrupt=False)
+  config = cifar10.get_config()
+  config_checks.check_config(config)  # The recipe itself is valid as written.
+  config.update(dict(data_source='folder', dataset=root, eval_split='test', batch_size=16,
+                     eval_batch_size=24, num_epochs=5, learning_rate=0.05,
+                     num_misclassified_images=0))
+  config.model_options.resnet.update(widths=(8, 16, 32), blocks_per_stage=1)
+  metrics = train.train_and_evaluate(config, str(tmp_path / 'workdir'))
+  assert metrics['eval_num_examples'] == 24
+  assert metrics['eval_accuracy'] >= 0.6, metrics  # 3 classes: chance is 1/3.
+  assert metrics['train_loss'] < np.log(3), metrics

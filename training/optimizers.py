@@ -31,6 +31,10 @@ SCHEDULES: dict[str, Callable[..., optax.Schedule]] = {
 OPTIMIZERS: dict[str, Callable[[optax.Schedule, ml_collections.ConfigDict],
                                optax.GradientTransformation]] = {
     'sgd': lambda lr, config: optax.sgd(lr, momentum=config.momentum or None),
+    # SGD with L2 weight decay added to the gradients, as torch.optim.SGD's weight_decay and the
+    # classic ResNet recipes apply it.
+    'sgd_l2': lambda lr, config: optax.chain(optax.add_decayed_weights(config.weight_decay),
+                                             optax.sgd(lr, momentum=config.momentum or None)),
     'adam': lambda lr, config: optax.adam(lr),
     'adamw': lambda lr, config: optax.adamw(lr, weight_decay=config.weight_decay),
 }

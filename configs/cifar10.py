@@ -1,0 +1,33 @@
+"""CIFAR-10 recipe: ResNet-20 on 32x32 colour images, cropped and flipped, SGD with L2 weight
+decay, linear warm-up then cosine decay.
+
+The classic ResNet-20 set-up (He et al. 2016: SGD 0.1, momentum 0.9, batch 128, random crops
+with 4-pixel padding and horizontal flips), with cosine decay over 30 epochs instead of 160
+epochs of step decay. Its accuracy on real CIFAR-10 has not been measured here (the data cannot
+be downloaded on this machine); the tests check that it trains on a small generated colour
+dataset. For other 32x32 colour data, e.g. an image folder:
+
+    python main.py --config=configs/cifar10.py --workdir=runs/mine \
+      --config.data_source=folder --config.dataset=/path/to/root --config.image_size=32
+"""
+
+import ml_collections
+
+from configs import default
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = default.get_config()
+  config.dataset = 'cifar10'
+  config.shuffle_buffer_size = 50_000  # The whole training split: a perfect shuffle.
+  config.augment = 'random_crop(32, pad=4)|flip_lr'
+  config.model = 'resnet'
+  config.optimizer = 'sgd_l2'
+  config.learning_rate = 0.1
+  config.momentum = 0.9
+  config.weight_decay = 5e-4
+  config.schedule = 'warmup_cosine'
+  config.warmup_epochs = 1.0
+  config.batch_size = 128
+  config.num_epochs = 30
+  return config
