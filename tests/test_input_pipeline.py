@@ -16,6 +16,8 @@ from training import config_checks
 
 import data_sources
 import input_pipeline
+from modes import evaluate
+import train
 from configs import default
 from conftest import requires_extras
 
@@ -232,3 +234,37 @@ def test_augmented_batches_are_seeded_and_resume_exactly():
   for got, want in zip(resumed, full[6:]):
     np.testing.assert_array_equal(got['image'], want['image'])
     np.testing.assert_array_equal(got['label'], want['label'])
+
+
+def test_tfds_streaming_gives_the_in_memory_examples_and_resumes_exactly(tfds_data_dir):
+  config = _config(data_dir=tfds_data_dir, train_split='train[:512]', batch_size=64,
+                   steps_per_dispatch=2, shuffle_buffer_size=128)
+  source = tfds_source.TfdsSource('mnist', tfds_data_dir)
+  streamed = input_pipeline.open_split(source, config.train_split,
+                                       _config(**{**config, 'in_memory': 'never'}))
+  in_memory = input_pipeline.open_split(source, config.train_split, config)
+  assert isinstance(streamed, input_pipeline.Streamed) and streamed.num_examples == 512
+  full = list(input_pipeline.train_batches(streamed, config))  # 4 chunks of 2 per epoch.
+  epochs = [list(input_pipeline.train_batches(split, config)) for split in (in_memory, streamed)]
+  for in_memory_epoch, streamed_epoch in zip(*[[chunks[:4], chunks[4:]] for chunks in epochs]):
+    rows = [sorted(image.tobytes() for chunk in chunks for image in chunk['image'].reshape(-1, 784))
+            for chunks in (in_memory_epoch, streamed_epoch)]
+    assert len(rows[0]) == 512 and rows[0] == rows[1]
+  resumed = list(input_pipeline.train_batches(streamed, config, start_epoch=1, start_step=2))
+  assert len(resumed) == 3
+  for got, want in zip(resumed, full[5:]):
+    np.testing.assert_array_equal(got['image'], want['image'])
+
+
+def test_a_streamed_run_trains_evaluates_and_draws_eval_images(tfds_data_dir, tmp_path):
+  config = _config(data_dir=tfds_data_dir, in_memory='never', train_split='train[:256]',
+                   eval_split='test[:200]', batch_size=32, num_epochs=1, eval_batch_size=64,
+                   num_misclassified_images=4, log_every_steps=4)
+  metrics = train.train_and_evaluate(config, str(tmp_path))
+  assert metrics['eval_num_examples'] == 200 and metrics['train_num_examples'] == 256
+  # The streamed eval scores what the in-memory eval scores.
+  in_memory = evaluate.evaluate_checkpoint(_config(**{**config, 'in_memory': 'always'}),
+                                           str(tmp_path))
+  assert in_memory['eval_num_examples'] == 200
+  assert in_memory['eval_accuracy'] == pytest.approx(metrics['eval_accuracy'], abs=1e-6)
+  assert in_memory['eval_loss'] == pytest.approx(metrics['eval_loss'], rel=1e-5)
