@@ -139,7 +139,9 @@ def _cell(column: str, value) -> str:
   if value is None:
     return ''
   if isinstance(value, float):
-    return f'{value:.4f}' if column.endswith(('accuracy', 'loss')) else f'{value:.4g}'
+    if column.endswith(('accuracy', 'loss')):
+      return f'{value:.4f}'
+    return f'{value:.1f}' if column == 'wall_time_s' else f'{value:.4g}'  # Else sampled values.
   return str(value)
 
 
