@@ -28,6 +28,7 @@ from training import checkpointing
 from training import config_checks
 from training import workdirs
 from test_checkpointing import _saved
+from test_parallel import _free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = {'train_split': 'train[:256]', 'eval_split': 'test[:256]', 'batch_size': 32,
@@ -273,12 +274,6 @@ def test_a_full_disk_ends_in_one_line_and_the_rerun_resumes_after_space_is_freed
   assert 'a save may fail for lack of space' in full_log  # The start-up warning.
   assert freed.split()[0] == 'rc=0' and freed.split()[1:] == ['12', '16', '8']
   assert 'Restored checkpoint at step 8 ' in freed_log
-
-
-def _free_port() -> int:
-  with socket.socket() as sock:
-    sock.bind(('127.0.0.1', 0))
-    return sock.getsockname()[1]
 
 
 @pytest.mark.slow
