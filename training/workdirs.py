@@ -23,7 +23,8 @@ CONFIG_FILE = 'config.json'
 # the checkpoint's, so a resumed run refuses them. Any other key may change (learning rate,
 # epochs, logging, ...), with a warning. A key also covers its sub-keys (model_options.cnn...).
 FIXED_ON_RESUME = ('data_source', 'dataset', 'train_split', 'batch_size', 'seed',
-                   'shuffle_buffer_size', 'input_backend', 'model', 'model_options', 'optimizer')
+                   'shuffle_buffer_size', 'input_backend', 'in_memory', 'image_size', 'model',
+                   'model_options', 'optimizer')
 
 
 @contextlib.contextmanager
