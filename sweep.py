@@ -201,10 +201,9 @@ def main(argv):
   metric = FLAGS.config.get('best_metric', 'eval_accuracy')
   try:
     sweep = {**spec.sweep_from_config_file(config_file), **spec.parse_sweep_flags(FLAGS.sweep)}
-    if FLAGS.search == 'grid':
-      if FLAGS.num_trials is not None or FLAGS.prune:
-        raise spec.SweepError('--num_trials and --prune are for --search=random or tpe; a grid '
-                              'runs every combination of its values.')
+    if FLAGS.search == 'grid' and (FLAGS.num_trials is not None or FLAGS.prune):
+      raise spec.SweepError('--num_trials and --prune are for --search=random or tpe; a grid '
+                            'runs every combination of its values.')
     for signum in (signal.SIGTERM, signal.SIGINT):
       signal.signal(signum, launcher.stop)
     rows, columns, failed = (run_grid if FLAGS.search == 'grid' else run_search)(
