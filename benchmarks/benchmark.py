@@ -12,8 +12,9 @@ The children alternate for --rounds rounds, so that a machine's speed drifting o
 
 A child measures: compile time, XLA's FLOPs per example, steady-state training examples/s
 (compile excluded), where a step's time goes (waiting for the input pipeline / Python dispatch /
-device compute, each timed with a sync after every step), eval examples/s, a 2048x2048 matmul's
-FLOP/s (the peak that achieved FLOP/s is a fraction of) and its peak RSS. With
+device compute, each timed with a sync after every step; `input_wait_share` is the first's
+share), eval examples/s, a 2048x2048 matmul's FLOP/s (the peak that achieved FLOP/s is a
+fraction of) and its peak RSS. With
 --time_to_accuracy, `main.py` and the reference also train for real, each timed from process
 start to the first epoch whose eval accuracy reaches --target_accuracy (then stopped).
 Prints a table and writes everything, every round included, to --json.
@@ -119,7 +120,7 @@ def measure_training(step: Callable[[dict], object], batches: Iterator[dict],
   split_ms = split / num_calls * 1000 / (examples_per_call / FLAGS.config.batch_size)
   return {'train_examples_per_sec': num_calls * examples_per_call / elapsed,
           'step_ms_input_wait': split_ms[0], 'step_ms_dispatch': split_ms[1],
-          'step_ms_compute': split_ms[2]}
+          'step_ms_compute': split_ms[2], 'input_wait_share': split[0] / split.sum()}
 
 
 def flops_per_example(jitted, *args, examples: int) -> tuple[float, float]:
