@@ -46,6 +46,8 @@ flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'export', 'predict'],
 flags.mark_flags_as_required(['config', 'workdir'])
 flags.DEFINE_string('inputs', None, '--mode=predict: an image file, a directory of images '
                     '(searched recursively) or a glob pattern.')
+flags.DEFINE_string('checkpoint', 'latest', '--mode=eval/export/predict: the checkpoint to use: '
+                    'latest, best (best config.best_metric at an epoch end) or a step number.')
 flags.DEFINE_string('coordinator_address', None,
                     'HOST:PORT of process 0, for a multi-process run (jax.distributed).')
 flags.DEFINE_integer('num_processes', None, 'Number of processes of a multi-process run.')
@@ -63,9 +65,11 @@ def main(argv):
   tf.config.set_visible_devices([], 'GPU')
   logging.info('JAX process %d of %d, local devices: %s; malloc tuned for XLA:CPU: %s',
                jax.process_index(), jax.process_count(), jax.local_devices(), MALLOC_TUNED)
-  run = {'train': train.train_and_evaluate, 'eval': evaluate.evaluate_checkpoint,
-         'export': export.export_saved_model,
-         'predict': functools.partial(predict.predict, inputs=FLAGS.inputs)}[FLAGS.mode]
+  run = {'train': train.train_and_evaluate,
+         'eval': functools.partial(evaluate.evaluate_checkpoint, checkpoint=FLAGS.checkpoint),
+         'export': functools.partial(export.export_saved_model, checkpoint=FLAGS.checkpoint),
+         'predict': functools.partial(predict.predict, inputs=FLAGS.inputs,
+                                      checkpoint=FLAGS.checkpoint)}[FLAGS.mode]
   # One training run per workdir; eval and export only read it, so they may run beside it.
   hold = workdirs.hold if FLAGS.mode == 'train' else contextlib.nullcontext
   try:

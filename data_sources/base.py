@@ -32,6 +32,7 @@ class DatasetInfo:
   num_train_examples: int
   num_eval_examples: int
   class_names: tuple[str, ...] = ()  # Label i is class_names[i]; () = unnamed.
+  num_test_examples: int = 0  # Of config.test_split; 0 when it is not set.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +89,7 @@ class DataSource(abc.ABC):
     """
     num_train_examples = self._split_size(config, 'train_split')
     num_eval_examples = self._split_size(config, 'eval_split')
+    num_test_examples = self._split_size(config, 'test_split') if config.get('test_split') else 0
     height, width, channels = self.image_shape
     if config.image_size:
       height = width = config.image_size
@@ -98,6 +100,7 @@ class DataSource(abc.ABC):
                        num_classes=self.num_classes,
                        num_train_examples=num_train_examples,
                        num_eval_examples=num_eval_examples,
+                       num_test_examples=num_test_examples,
                        class_names=tuple(self.class_names))
 
   def _split_size(self, config: ml_collections.ConfigDict, key: str) -> int:

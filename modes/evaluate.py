@@ -18,18 +18,19 @@ from training import parallel
 EVAL_DIR = 'eval_only'  # TensorBoard run (a subdirectory of the workdir) of eval-only results.
 
 
-def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
-  """Evaluates the latest checkpoint on `config.eval_split`; prints and writes the metrics."""
+def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
+                        checkpoint: str = 'latest') -> dict[str, float]:
+  """Evaluates a checkpoint (--checkpoint) on `config.eval_split`; prints and writes the metrics."""
   config_checks.check_config(config)
   mesh = parallel.create_mesh()
   jax.set_mesh(mesh)  # As in training: the model is replicated, eval batches are sharded.
   source = data_sources.open_source(config)
   info = source.info(config)
-  model, step = checkpointing.load_latest_model(config, workdir, info)
+  model, step = checkpointing.load_model(config, workdir, info, checkpoint)
   logging.info('Evaluating the checkpoint at step %d on %s %r.', step, config.dataset,
                config.eval_split)
   eval_batches = parallel.eval_batches(
-      functools.partial(input_pipeline.open_split, source, config=config),
+      functools.partial(input_pipeline.open_split, source, config=config), config.eval_split,
       info.num_eval_examples, config, mesh)
   metrics, _ = train.evaluate(model, eval_batches)
   writer = metric_writers.create_default_writer(os.path.join(workdir, EVAL_DIR),

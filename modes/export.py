@@ -23,10 +23,11 @@ from training import checkpointing
 EXPORT_DIR = 'export'
 
 
-def export_saved_model(config: ml_collections.ConfigDict, workdir: str) -> str:
-  """Writes the latest checkpoint's model to `<workdir>/export`; returns that path."""
+def export_saved_model(config: ml_collections.ConfigDict, workdir: str,
+                       checkpoint: str = 'latest') -> str:
+  """Writes a checkpoint's model (--checkpoint) to `<workdir>/export`; returns that path."""
   info = predict_mode.checked_workdir_info(config, workdir)
-  model, step = checkpointing.load_latest_model(config, workdir, info)
+  model, step = checkpointing.load_model(config, workdir, info, checkpoint)
   graphdef, weights, rest = nnx.split(model, (nnx.Param, nnx.BatchStat), ...)
 
   def predict(weights, images):

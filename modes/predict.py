@@ -57,7 +57,8 @@ def _probabilities(model: nnx.Module, images: jax.Array) -> jax.Array:
   return jax.nn.softmax(model(images))
 
 
-def predict(config: ml_collections.ConfigDict, workdir: str, inputs: str | None) -> str:
+def predict(config: ml_collections.ConfigDict, workdir: str, inputs: str | None,
+            checkpoint: str = 'latest') -> str:
   """Writes the predicted class of each image under `inputs` to <workdir>/predictions.csv."""
   if not inputs:
     raise config_checks.ConfigError(
@@ -78,7 +79,7 @@ def predict(config: ml_collections.ConfigDict, workdir: str, inputs: str | None)
     raise config_checks.ConfigError(
         f'--inputs has {len(colour)} colour images ({named}) but the model takes grayscale '
         'images: convert them to grayscale, or use a model trained on colour images.')
-  model, step = checkpointing.load_latest_model(config, workdir, info)
+  model, step = checkpointing.load_model(config, workdir, info, checkpoint)
   logging.info('Predicting %d images with the checkpoint at step %d.', len(headers), step)
 
   def preprocess(path: tf.Tensor) -> tf.Tensor:

@@ -224,8 +224,7 @@ def test_exported_saved_model_predicts_like_the_jax_model(reference, tfds_data_d
   path = export.export_saved_model(config, reference)
   assert path == os.path.join(reference, 'export')
   source = tfds_source.TfdsSource('mnist', config.data_dir)
-  model, step = checkpointing.load_latest_model(config, reference,
-                                                source.info(config))
+  model, step = checkpointing.load_model(config, reference, source.info(config))
   assert step == NUM_STEPS
   images = input_pipeline.eval_batches(
       source.load_split('test[:100]'), batch_size=100)[0]['image']
@@ -244,6 +243,6 @@ def test_a_nonfinite_state_is_never_saved(tmp_path):
   checkpoints = checkpointing.Checkpointer(str(tmp_path), config)
   with pytest.raises(checkpointing.NonFiniteError, match=r'training state is not finite at step '
                                                          r'500: .*no checkpoint was saved before'):
-    checkpoints.maybe_save(1, 500, 1000, model, optimizer,
+    checkpoints.maybe_save(1, 500, 1000, model, optimizer, None,
                            (train.Metrics.empty(), train.Metrics.empty()), steps_per_epoch=100)
   assert checkpoints.latest_step() is None

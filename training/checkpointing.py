@@ -126,10 +126,24 @@ def _all_finite(tree) -> jax.Array:
                             if jnp.issubdtype(leaf.dtype, jnp.inexact)]))
 
 
-def _training_items(model: nnx.Module, optimizer: nnx.Optimizer, metrics) -> dict:
+def _training_items(model: nnx.Module, optimizer: nnx.Optimizer, ema: nnx.EMA | None,
+                    metrics) -> dict:
   """The checkpoint items of a training run, except `progress`."""
-  return {'model': nnx.state(model),
-          'train': {'optimizer': nnx.state(optimizer), 'metrics': metrics}}
+  items = {'model': nnx.state(model),
+           'train': {'optimizer': nnx.state(optimizer), 'metrics': metrics}}
+  if ema is not None:
+    items['ema'] = nnx.state(ema)
+  return items
+
+
+def create_ema(config: ml_collections.ConfigDict, model: nnx.Module) -> nnx.EMA | None:
+  """The moving average of `model`'s parameters if config.ema_decay > 0, else None."""
+  return nnx.EMA(model, config.ema_decay, only=nnx.Param) if config.ema_decay else None
+
+
+def maximizes(metric: str) -> bool:
+  """Whether a larger value of `metric` is better: every metric but losses."""
+  return not metric.endswith('loss')
 
 
 class Checkpointer:
@@ -139,21 +153,32 @@ class Checkpointer:
     self.directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
     logging.get_absl_handler().addFilter(_orbax_warnings_only)
     self._config = config
+    # Epoch-end checkpoints carry the eval metrics; the one best in config.best_metric is kept
+    # besides the newest max_checkpoints_to_keep.
+    sign = 1 if maximizes(config.best_metric) else -1
+    score = lambda metrics: sign * metrics[config.best_metric]
     # Synchronous saves: the train step donates the model's buffers right after a save returns.
     # A save interrupted by a kill leaves a temporary directory, removed at the next start.
     self._manager = ocp.CheckpointManager(
         self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=config.max_checkpoints_to_keep,
-                                             create=True, enable_async_checkpointing=False,
-                                             cleanup_tmp_directories=True),
+        options=ocp.CheckpointManagerOptions(
+            create=True, enable_async_checkpointing=False, cleanup_tmp_directories=True,
+            best_fn=score, best_mode='max',
+            preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy([
+                ocp.checkpoint_managers.LatestN(n=config.max_checkpoints_to_keep),
+                ocp.checkpoint_managers.BestN(get_metric_fn=score, n=1,
+                                              keep_checkpoints_without_metrics=False)])),
         # Named handlers let a fresh process read the metadata of existing checkpoints.
         item_handlers={'model': ocp.StandardCheckpointHandler(),
                        'train': ocp.StandardCheckpointHandler(),
+                       'ema': ocp.StandardCheckpointHandler(),
                        'progress': ocp.JsonCheckpointHandler()})
     self._signal = None  # The SIGTERM/SIGINT received during training, if any.
     self._handlers = {}  # The signal handlers replaced while training.
     self._checked_step = 0  # Last step whose training loss was checked to be finite.
     self._dispatches = 0  # Calls of maybe_save: the same count on every process.
+    # The best config.best_metric so far and its epoch (for early stopping), saved in progress.
+    self.best = {'value': None, 'epoch': 0}
 
   def close(self) -> None:
     """Waits for Orbax's background work (such as deleting old checkpoints) and ends it."""
@@ -228,24 +253,52 @@ class Checkpointer:
     self._manager.reload()
     return target
 
-  def restore_model(self, model: nnx.Module) -> int:
-    """Loads the newest restorable checkpoint's model state into `model`; returns its step.
+  def restore_model(self, model: nnx.Module, checkpoint: str = 'latest',
+                    ) -> tuple[nnx.Module, int]:
+    """The model of a checkpoint, in eval mode, with the EMA weights when config.ema_decay.
 
-    Read-only: a damaged checkpoint is skipped, not moved (a training run may be using them).
+    `checkpoint` is 'latest' (the newest that restores), 'best' (best config.best_metric at an
+    epoch end) or a step number. Read-only: a damaged checkpoint is skipped, not moved (a
+    training run may be using them). Returns the model and the checkpoint's step.
     """
-    restored = self._restore_newest({'model': nnx.state(model)}, move_aside=False)
-    if restored is None:
+    ema = create_ema(self._config, model)
+    items = {'model': nnx.state(model), **({'ema': nnx.state(ema)} if ema else {})}
+    if checkpoint != 'latest':
+      step = self._chosen_step(checkpoint)
+      restored = self._restore(step, items)
+    elif newest := self._restore_newest(items, move_aside=False):
+      step, restored = newest
+    else:
       raise config_checks.ConfigError(
           f'No checkpoint in {self.directory}: train first with the same --workdir '
           '(python main.py --config=... --workdir=...).')
-    step, items = restored
-    nnx.update(model, items['model'])
-    return step
+    nnx.update(model, restored['model'])
+    if ema is not None:
+      nnx.update(ema, restored['ema'])
+      model = ema.apply_to(model)
+    model.eval()
+    return model, step
 
-  def restore_training(self, model: nnx.Module, optimizer: nnx.Optimizer, metrics,
-                       steps_per_epoch: int):
+  def _chosen_step(self, checkpoint: str) -> int:
+    """The step that --checkpoint=best or --checkpoint=STEP names."""
+    steps = self.all_steps()
+    if checkpoint == 'best':
+      step = self._manager.best_step()  # None when no checkpoint has metrics.
+      if step is None:
+        raise config_checks.ConfigError(
+            f'No checkpoint in {self.directory} has eval metrics to pick the best by (they are '
+            'saved at epoch ends): use --checkpoint=latest or a step number.')
+      return step
+    if not checkpoint.isdigit() or int(checkpoint) not in steps:
+      raise config_checks.ConfigError(
+          f'--checkpoint={checkpoint} is not a checkpoint of {self.directory}: use best, '
+          f'latest or one of the steps {", ".join(map(str, sorted(steps))) or "(none)"}.')
+    return int(checkpoint)
+
+  def restore_training(self, model: nnx.Module, optimizer: nnx.Optimizer,
+                       ema: nnx.EMA | None, metrics, steps_per_epoch: int):
     """Resumes from the newest checkpoint that restores, if any: returns (step, metrics)."""
-    items = _training_items(model, optimizer, metrics)
+    items = _training_items(model, optimizer, ema, metrics)
     self._warn_if_disk_low(items)
     restored = self._restore_newest(items, move_aside=True)
     if restored is None:
@@ -260,8 +313,18 @@ class Checkpointer:
           f'{steps_per_epoch}: resume with the same values to continue the same data order.')
     nnx.update(model, restored['model'])
     nnx.update(optimizer, restored['train']['optimizer'])
+    if ema is not None:
+      nnx.update(ema, restored['ema'])
+    self.best = restored['progress'].get('best', self.best)
     self._checked_step = step
     return step, restored['train']['metrics']
+
+  def record_eval(self, epoch: int, eval_metrics: dict[str, float]) -> None:
+    """Notes an epoch's eval metrics: the best value of config.best_metric and its epoch."""
+    value = eval_metrics[self._config.best_metric]
+    best = self.best['value']
+    if best is None or (value > best if maximizes(self._config.best_metric) else value < best):
+      self.best = {'value': value, 'epoch': epoch}
 
   def _warn_if_disk_low(self, items: dict) -> None:
     size = sum(leaf.nbytes for leaf in jax.tree.leaves(items)
@@ -294,18 +357,21 @@ class Checkpointer:
         f'config.learning_rate (now {self._config.learning_rate}).')
 
   def maybe_save(self, first_step: int, step: int, num_steps: int, model: nnx.Module,
-                 optimizer: nnx.Optimizer, metrics, steps_per_epoch: int) -> None:
+                 optimizer: nnx.Optimizer, ema: nnx.EMA | None, metrics, steps_per_epoch: int,
+                 eval_metrics: dict[str, float] | None = None) -> None:
     """Saves after the dispatch of steps `first_step`..`step` when a checkpoint is due.
 
-    Due every config.checkpoint_every_steps, at the last step, and after a SIGTERM/SIGINT, which
-    then raises `Interrupted`. Never saves a non-finite state when config.halt_on_nonfinite.
+    Due every config.checkpoint_every_steps, at each epoch end (given its `eval_metrics`, by
+    which the best checkpoint is kept), at the last step, and after a SIGTERM/SIGINT, which then
+    raises `Interrupted`. Never saves a non-finite state when config.halt_on_nonfinite.
     """
     self._dispatches += 1
     preempted = self._signal or self._reached_preemption()
     every = self._config.checkpoint_every_steps
-    if not (step // every > (first_step - 1) // every or step == num_steps or preempted):
+    if not (step // every > (first_step - 1) // every or step == num_steps or preempted
+            or eval_metrics):
       return
-    items = _training_items(model, optimizer, metrics)
+    items = _training_items(model, optimizer, ema, metrics)
     if self._config.halt_on_nonfinite and not _all_finite(items):
       self._halt(f'The training state is not finite at step {step}')
     start = time.time()
@@ -315,8 +381,9 @@ class Checkpointer:
     try:
       self._manager.save(step, args=ocp.args.Composite(
           progress=ocp.args.JsonSave({'epoch': epoch, 'step_in_epoch': step_in_epoch,
-                                      'steps_per_epoch': steps_per_epoch}),
-          **{name: ocp.args.StandardSave(item) for name, item in items.items()}))
+                                      'steps_per_epoch': steps_per_epoch, 'best': self.best}),
+          **{name: ocp.args.StandardSave(item) for name, item in items.items()}),
+          metrics=eval_metrics)
     except Exception as error:  # pylint: disable=broad-except  (re-raised unless an OS error)
       if (reason := io_failure(error)) is None:
         sys.unraisablehook = report_unraisable
@@ -381,11 +448,9 @@ class Checkpointer:
       self._restore_handlers()
 
 
-def load_latest_model(config: ml_collections.ConfigDict, workdir: str,
-                      info: base.DatasetInfo) -> tuple[nnx.Module, int]:
-  """The model of the latest checkpoint in `workdir`, in eval mode, and its step."""
+def load_model(config: ml_collections.ConfigDict, workdir: str, info: base.DatasetInfo,
+               checkpoint: str = 'latest') -> tuple[nnx.Module, int]:
+  """The model of a checkpoint in `workdir` (see `Checkpointer.restore_model`) and its step."""
   model = models.create_compiled(lambda: models.create_model(
       config, info.image_shape, info.num_classes, nnx.Rngs(config.seed)))
-  step = Checkpointer(workdir, config).restore_model(model)
-  model.eval()
-  return model, step
+  return Checkpointer(workdir, config).restore_model(model, checkpoint)

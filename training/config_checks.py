@@ -13,9 +13,13 @@ import input_pipeline
 import kernels
 import models
 from training import optimizers
+from training import profiling
 
 
 _PROBE_BYTES = 1 << 20  # Written by the workdir check: a full disk fails it, an empty file not.
+
+
+BEST_METRICS = ('eval_accuracy', 'eval_loss')
 
 
 class ConfigError(ValueError):
@@ -37,13 +41,14 @@ def check_config(config: ml_collections.ConfigDict, data_source: bool = True) ->
     _check_data_source(config)
   _check_input(config)
   for key, valid in (('model', models.MODELS), ('optimizer', optimizers.OPTIMIZERS),
-                     ('schedule', optimizers.SCHEDULES), ('cpu_kernels', kernels.CPU_KERNELS)):
+                     ('schedule', optimizers.SCHEDULES), ('cpu_kernels', kernels.CPU_KERNELS),
+                     ('compute_dtype', kernels.COMPUTE_DTYPES)):
     _require(config[key] in valid,
              f'Unknown {key} {config[key]!r}: config.{key} must be one of {sorted(valid)}.')
   _check_model_options(config)
   for key in ('batch_size', 'eval_batch_size', 'num_epochs', 'steps_per_dispatch',
               'log_every_steps', 'shuffle_buffer_size', 'checkpoint_every_steps',
-              'max_checkpoints_to_keep'):
+              'max_checkpoints_to_keep', 'grad_accum_steps'):
     _require(isinstance(config[key], int) and config[key] >= 1,
              f'config.{key}={config[key]!r} is invalid: it must be an integer >= 1.')
   num_images = config.num_misclassified_images
@@ -52,6 +57,21 @@ def check_config(config: ml_collections.ConfigDict, data_source: bool = True) ->
            'integer >= 0 (0 = no eval images).')
   _require(config.learning_rate > 0,
            f'config.learning_rate={config.learning_rate!r} is invalid: it must be > 0.')
+  _require(0 <= config.label_smoothing < 1,
+           f'config.label_smoothing={config.label_smoothing!r} is invalid: it must be in [0, 1) '
+           '(0 = off).')
+  _require(isinstance(config.profile_steps, int) and config.profile_steps >= 0,
+           f'config.profile_steps={config.profile_steps!r} is invalid: it must be an integer >= 0 '
+           '(0 = off).')
+  _require(config.best_metric in BEST_METRICS,
+           f'config.best_metric={config.best_metric!r} is invalid: it must be one of '
+           f'{", ".join(BEST_METRICS)}.')
+  _require(0 <= config.ema_decay < 1,
+           f'config.ema_decay={config.ema_decay!r} is invalid: it must be in [0, 1) (0 = off).')
+  patience = config.early_stopping_patience
+  _require(isinstance(patience, int) and patience >= 0,
+           f'config.early_stopping_patience={patience!r} is invalid: it must be an integer >= 0 '
+           '(0 = off).')
   _require(0 <= config.momentum < 1,
            f'config.momentum={config.momentum!r} is invalid: it must be in [0, 1).')
   _require(0 <= config.warmup_epochs <= config.num_epochs,
@@ -171,6 +191,15 @@ def check_against_data(config: ml_collections.ConfigDict, num_train_examples: in
            f'config.batch_size={config.batch_size} is larger than the {num_train_examples} '
            f'examples of split {config.train_split!r}: use a batch size in '
            f'[1, {num_train_examples}].')
+  steps_per_epoch = num_train_examples // config.batch_size
+  _require(config.grad_accum_steps <= steps_per_epoch,
+           f'config.grad_accum_steps={config.grad_accum_steps} is more than the {steps_per_epoch} '
+           f'steps of an epoch (batch_size={config.batch_size}): use at most {steps_per_epoch}.')
+  num_steps = steps_per_epoch * config.num_epochs
+  _require(not config.profile_steps or profiling.min_steps(config) <= num_steps,
+           f'config.profile_steps={config.profile_steps} does not fit in the {num_steps} steps of '
+           f'this run with its {profiling.WARMUP_STEPS} warm-up steps: use at most '
+           f'{max(num_steps - profiling.min_steps(config) + config.profile_steps, 0)}.')
 
 
 def check_against_devices(config: ml_collections.ConfigDict, num_devices: int) -> None:

@@ -116,9 +116,9 @@ def eval_batch_size(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) 
 
 def eval_batches(
     load_split: Callable[[tfds.typing.SplitArg], base.Split | input_pipeline.Streamed],
-    num_examples: int, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
+    split: str, num_examples: int, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
 ) -> list[input_pipeline.Batch] | input_pipeline.StreamedBatches:
-  """The whole eval split as sharded, masked batches; each example counts exactly once.
+  """The whole eval or test `split` as sharded, masked batches; each example counts once.
 
   Each process loads its slice (sizes differ by at most one) and pads it to as many batches as
   the largest slice needs, so all processes run the same number of eval steps. An in-memory
@@ -133,6 +133,6 @@ def eval_batches(
   local_batch = global_batch // num_processes
   largest_slice = -(-num_examples // num_processes)
   num_batches = -(-largest_slice // local_batch)
-  split = load_split(process_split(config.eval_split))
+  split = load_split(process_split(split))
   return input_pipeline.eval_batches(split, local_batch, num_batches,
                                      place=lambda batch: shard(batch, mesh))

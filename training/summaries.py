@@ -22,7 +22,7 @@ import input_pipeline
 from training import parallel
 
 # Scalars written at every eval that the HParams dashboard shows as metric columns.
-HPARAMS_METRICS = ('eval_accuracy', 'eval_loss')
+HPARAMS_METRICS = ('eval_accuracy', 'eval_loss', 'test_accuracy', 'test_loss')
 _FONT = ImageFont.load_default(size=12)
 _SCALE = 3  # Each example is drawn 3x its size: MNIST digits become 84 x 84 pixels.
 _CELL = 36  # Pixels per confusion-matrix cell.

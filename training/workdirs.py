@@ -24,7 +24,7 @@ CONFIG_FILE = 'config.json'
 # epochs, logging, ...), with a warning. A key also covers its sub-keys (model_options.cnn...).
 FIXED_ON_RESUME = ('data_source', 'dataset', 'train_split', 'batch_size', 'seed',
                    'shuffle_buffer_size', 'input_backend', 'in_memory', 'image_size', 'model',
-                   'model_options', 'optimizer')
+                   'model_options', 'optimizer', 'ema_decay')
 
 
 @contextlib.contextmanager
