@@ -1,8 +1,8 @@
 """Flax NNX models, chosen by name (`config.model`) with their options from the config.
 
 A model is an `nnx.Module` class whose constructor takes the image shape (height, width,
-channels), the number of classes, `layers` (the convolution, dropout and pooling to build from,
-see `kernels`), `rngs`, and its own options as keyword arguments, which come from
+channels), the number of classes, `layers` (the convolution, dense, batch-norm, dropout and
+pooling layers to build from, see `kernels`), `rngs`, and its own options as keyword arguments, which come from
 `config.model_options.<name>`. To add one: write the class, add it to `MODELS`, and (if it has
 options) add them to `config.model_options` in your config. See README.md.
 """
@@ -32,16 +32,16 @@ class CNN(nnx.Module):
                dropout_rate: float = 0.025):
     height, width, channels = image_shape
     self.conv1 = layers.conv(channels, conv1_features, kernel_size=(3, 3), rngs=rngs)
-    self.batch_norm1 = nnx.BatchNorm(conv1_features, rngs=rngs)
+    self.batch_norm1 = layers.batch_norm(conv1_features, rngs=rngs)
     self.dropout1 = layers.dropout(rate=dropout_rate, rngs=rngs)
     self.conv2 = layers.conv(conv1_features, conv2_features, kernel_size=(3, 3), rngs=rngs)
-    self.batch_norm2 = nnx.BatchNorm(conv2_features, rngs=rngs)
+    self.batch_norm2 = layers.batch_norm(conv2_features, rngs=rngs)
     self.avg_pool = functools.partial(layers.avg_pool, window_shape=(2, 2), strides=(2, 2))
     # Two 2x2 average pools with 'VALID' padding floor each spatial size twice.
     flat_features = (height // 2 // 2) * (width // 2 // 2) * conv2_features
-    self.linear1 = nnx.Linear(flat_features, hidden_features, rngs=rngs)
+    self.linear1 = layers.linear(flat_features, hidden_features, rngs=rngs)
     self.dropout2 = layers.dropout(rate=dropout_rate, rngs=rngs)
-    self.linear2 = nnx.Linear(hidden_features, num_classes, rngs=rngs)
+    self.linear2 = layers.linear(hidden_features, num_classes, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x = self.avg_pool(nnx.relu(self.batch_norm1(self.dropout1(self.conv1(x)))))
@@ -57,9 +57,8 @@ class MLP(nnx.Module):
   def __init__(self, image_shape: tuple[int, int, int], num_classes: int, *,
                layers: kernels.Layers, rngs: nnx.Rngs,
                hidden_features: tuple[int, ...] = (512, 512)):
-    del layers  # Dense layers only.
     sizes = (math.prod(image_shape), *hidden_features, num_classes)
-    self.linears = nnx.List([nnx.Linear(size_in, size_out, rngs=rngs)
+    self.linears = nnx.List([layers.linear(size_in, size_out, rngs=rngs)
                              for size_in, size_out in zip(sizes[:-1], sizes[1:])])
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -82,13 +81,13 @@ class ResidualBlock(nnx.Module):
     self.downsample = downsample
     self.pool = functools.partial(layers.avg_pool, window_shape=(2, 2), strides=(2, 2))
     self.conv1 = conv(in_features, out_features, kernel_size=(3, 3))
-    self.batch_norm1 = nnx.BatchNorm(out_features, momentum=0.9, rngs=rngs)
+    self.batch_norm1 = layers.batch_norm(out_features, momentum=0.9, rngs=rngs)
     self.conv2 = conv(out_features, out_features, kernel_size=(3, 3))
     # Zero scale: every block starts as the identity, which trains deep stacks more easily.
-    self.batch_norm2 = nnx.BatchNorm(out_features, momentum=0.9, scale_init=nnx.initializers.zeros,
+    self.batch_norm2 = layers.batch_norm(out_features, momentum=0.9, scale_init=nnx.initializers.zeros,
                                      rngs=rngs)
     self.shortcut = (nnx.Sequential(conv(in_features, out_features, kernel_size=(1, 1)),
-                                    nnx.BatchNorm(out_features, momentum=0.9, rngs=rngs))
+                                    layers.batch_norm(out_features, momentum=0.9, rngs=rngs))
                      if in_features != out_features else None)
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -117,7 +116,7 @@ class ResNet(nnx.Module):
     channels = image_shape[-1]
     self.stem = layers.conv(channels, widths[0], kernel_size=(3, 3), use_bias=False,
                             kernel_init=_HE_NORMAL, rngs=rngs)
-    self.stem_norm = nnx.BatchNorm(widths[0], momentum=0.9, rngs=rngs)
+    self.stem_norm = layers.batch_norm(widths[0], momentum=0.9, rngs=rngs)
     blocks, in_features = [], widths[0]
     for stage, width in enumerate(widths):
       for index in range(blocks_per_stage):
@@ -125,7 +124,7 @@ class ResNet(nnx.Module):
                                     layers=layers, rngs=rngs))
         in_features = width
     self.blocks = nnx.List(blocks)
-    self.linear = nnx.Linear(in_features, num_classes, rngs=rngs)
+    self.linear = layers.linear(in_features, num_classes, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x = nnx.relu(self.stem_norm(self.stem(x)))
@@ -145,12 +144,15 @@ def model_options(config: ml_collections.ConfigDict) -> dict:
 
 def create_model(config: ml_collections.ConfigDict, image_shape: tuple[int, int, int],
                  num_classes: int, rngs: nnx.Rngs) -> nnx.Module:
-  """Builds `config.model` for `image_shape` from the layers `config.cpu_kernels` selects."""
+  """Builds `config.model` for `image_shape` from the layers `config.cpu_kernels` selects.
+
+  Its layers compute in `config.compute_dtype`; its parameters are float32.
+  """
   if config.model not in MODELS:
     raise ValueError(
         f'Unknown model {config.model!r}: config.model must be one of {sorted(MODELS)}.')
-  return MODELS[config.model](tuple(image_shape), num_classes,
-                              layers=kernels.select_layers(config.cpu_kernels), rngs=rngs,
+  layers = kernels.select_layers(config.cpu_kernels, compute_dtype=config.compute_dtype)
+  return MODELS[config.model](tuple(image_shape), num_classes, layers=layers, rngs=rngs,
                               **model_options(config))
 
 

@@ -1,27 +1,33 @@
 """The layers models are built from: flax's stock layers, or faster ones with the same function.
 
-Models take a `Layers` and build their convolutions, dropout and pooling from it, the way flax's
-imagenet example injects `conv: ModuleDef`. `select_layers` is the one place that decides, by
-`config.cpu_kernels` and JAX's backend, whether the stock layers or the XLA:CPU ones
-(`kernels/cpu.py`) are used. Both build the same parameters, so a checkpoint written with one
-restores into the other.
+Models take a `Layers` and build their convolutions, dense layers, batch norms, dropout and
+pooling from it, the way flax's imagenet example injects `conv: ModuleDef`. `select_layers` is the
+one place that decides, by `config.cpu_kernels` and JAX's backend, whether the stock layers or the
+XLA:CPU ones (`kernels/cpu.py`) are used, and, by `config.compute_dtype`, the dtype the layers
+compute in (their parameters stay float32). All build the same parameters, so a checkpoint
+written with one restores into the other.
 """
 
 from collections.abc import Callable
 import dataclasses
+import functools
 
 from flax import nnx
 import jax
+import jax.numpy as jnp
 
 from kernels import cpu
 
 CPU_KERNELS = ('auto', 'off')
+COMPUTE_DTYPES = ('float32', 'bfloat16')
 
 
 @dataclasses.dataclass(frozen=True)
 class Layers:
   """Constructors and functions with the signatures of the stock flax layers they stand for."""
   conv: Callable[..., nnx.Conv] = nnx.Conv
+  linear: Callable[..., nnx.Linear] = nnx.Linear
+  batch_norm: Callable[..., nnx.BatchNorm] = nnx.BatchNorm
   dropout: Callable[..., nnx.Dropout] = nnx.Dropout
   avg_pool: Callable[..., jax.Array] = nnx.avg_pool
 
@@ -30,13 +36,26 @@ STOCK_LAYERS = Layers()
 CPU_LAYERS = Layers(conv=cpu.Conv, dropout=cpu.Dropout, avg_pool=cpu.avg_pool)
 
 
-def select_layers(cpu_kernels: str, backend: str | None = None) -> Layers:
+def select_layers(cpu_kernels: str, backend: str | None = None,
+                  compute_dtype: str = 'float32') -> Layers:
   """The layers for `config.cpu_kernels` on `backend` (default: JAX's default backend).
 
   'auto' uses the CPU layers on the CPU backend and the stock layers everywhere else; 'off'
-  always uses the stock layers.
+  always uses the stock layers. With `compute_dtype` 'bfloat16' the layers with parameters
+  compute in bfloat16 (their inputs and parameters are cast to it) and keep float32 parameters;
+  the layers without parameters compute in the dtype of their inputs.
   """
   if cpu_kernels not in CPU_KERNELS:
     raise ValueError(f'Unknown cpu_kernels {cpu_kernels!r}: one of {CPU_KERNELS}.')
+  if compute_dtype not in COMPUTE_DTYPES:
+    raise ValueError(f'Unknown compute_dtype {compute_dtype!r}: one of {COMPUTE_DTYPES}.')
   backend = backend or jax.default_backend()
-  return CPU_LAYERS if cpu_kernels == 'auto' and backend == 'cpu' else STOCK_LAYERS
+  layers = CPU_LAYERS if cpu_kernels == 'auto' and backend == 'cpu' else STOCK_LAYERS
+  if compute_dtype == 'float32':
+    return layers
+
+  def in_dtype(layer):
+    return functools.partial(layer, dtype=jnp.dtype(compute_dtype), param_dtype=jnp.float32)
+
+  return dataclasses.replace(layers, conv=in_dtype(layers.conv), linear=in_dtype(layers.linear),
+                             batch_norm=in_dtype(layers.batch_norm))

@@ -33,7 +33,8 @@ class Conv(nnx.Conv):
 
   Supports every `nnx.Conv` argument except: a kernel_size other than 2-D, strides other than 1,
   padding other than 'SAME', input or kernel dilation, feature groups, `precision`,
-  `preferred_element_type` and a custom `conv_general_dilated`.
+  `preferred_element_type` and a custom `conv_general_dilated`. `dtype` works as in the stock
+  layer, which casts the input and kernel to it before the convolution this class replaces.
   """
 
   def __init__(self, in_features: int, out_features: int, kernel_size: int | Sequence[int],

@@ -42,13 +42,31 @@ OPTIMIZERS: dict[str, Callable[[optax.Schedule, ml_collections.ConfigDict],
 
 def create_learning_rate_schedule(config: ml_collections.ConfigDict,
                                   steps_per_epoch: int) -> optax.Schedule:
-  """The schedule named by `config.schedule`, spanning the whole run."""
+  """The schedule named by `config.schedule`, spanning the whole run, by optimizer update.
+
+  With gradient accumulation an update comes every `config.grad_accum_steps` training steps,
+  so an epoch has `steps_per_epoch / grad_accum_steps` of them.
+  """
+  updates_per_epoch = steps_per_epoch / config.grad_accum_steps
   return SCHEDULES[config.schedule](
-      config, num_steps=config.num_epochs * steps_per_epoch,
-      warmup_steps=int(config.warmup_epochs * steps_per_epoch))
+      config, num_steps=int(config.num_epochs * updates_per_epoch),
+      warmup_steps=int(config.warmup_epochs * updates_per_epoch))
+
+
+def learning_rate_by_step(config: ml_collections.ConfigDict,
+                          schedule: optax.Schedule) -> optax.Schedule:
+  """The learning rate `schedule` gives at each (0-based) training step."""
+  return lambda step: schedule(step // config.grad_accum_steps)
 
 
 def create_optimizer(config: ml_collections.ConfigDict,
                      schedule: optax.Schedule) -> optax.GradientTransformation:
-  """The optimizer named by `config.optimizer`, driven by `schedule`."""
-  return OPTIMIZERS[config.optimizer](schedule, config)
+  """The optimizer named by `config.optimizer`, driven by `schedule`.
+
+  With `config.grad_accum_steps` > 1 it updates the parameters every that many steps, with the
+  mean of their gradients (`optax.MultiSteps`), and leaves them unchanged in between.
+  """
+  optimizer = OPTIMIZERS[config.optimizer](schedule, config)
+  if config.grad_accum_steps > 1:
+    optimizer = optax.MultiSteps(optimizer, every_k_schedule=config.grad_accum_steps)
+  return optimizer
