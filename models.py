@@ -14,6 +14,7 @@ from typing import TypeVar
 
 from flax import nnx
 import jax
+import jax.numpy as jnp
 import ml_collections
 
 import kernels
@@ -48,7 +49,7 @@ class CNN(nnx.Module):
     x = self.avg_pool(nnx.relu(self.batch_norm2(self.conv2(x))))
     x = x.reshape(x.shape[0], -1)  # flatten
     x = nnx.relu(self.dropout2(self.linear1(x)))
-    return self.linear2(x)
+    return self.linear2(x).astype(jnp.float32)  # Logits in float32 whatever the compute dtype.
 
 
 class MLP(nnx.Module):
@@ -65,7 +66,7 @@ class MLP(nnx.Module):
     x = x.reshape(x.shape[0], -1)
     for linear in self.linears[:-1]:
       x = nnx.relu(linear(x))
-    return self.linears[-1](x)
+    return self.linears[-1](x).astype(jnp.float32)  # As CNN's.
 
 
 class ResidualBlock(nnx.Module):
@@ -130,7 +131,8 @@ class ResNet(nnx.Module):
     x = nnx.relu(self.stem_norm(self.stem(x)))
     for block in self.blocks:
       x = block(x)
-    return self.linear(x.mean(axis=(1, 2)))  # Global average pooling.
+    # Global average pooling; logits in float32 as CNN's.
+    return self.linear(x.mean(axis=(1, 2))).astype(jnp.float32)
 
 
 MODELS: dict[str, type[nnx.Module]] = {'cnn': CNN, 'mlp': MLP, 'resnet': ResNet}

@@ -67,8 +67,8 @@ def test_a_train_step_descends_the_smoothed_loss():
   # Plain SGD: the new parameters are the old minus the learning rate times the gradient of
   # the smoothed loss on the batch.
   overrides = dict(model='mlp', momentum=0.0, learning_rate=0.5, label_smoothing=0.2)
-  model, optimizer = _setup(**overrides)
-  expected_model, _ = _setup(**overrides)
+  model, optimizer = _setup(**overrides, model_options={'mlp': {'hidden_features': (64,)}})
+  expected_model, _ = _setup(**overrides, model_options={'mlp': {'hidden_features': (64,)}})
   batch = _batch(32)
   grads = nnx.grad(lambda m: _smoothed_cross_entropy(m(batch['image']), batch['label'], 0.2))(
       expected_model)
@@ -136,8 +136,9 @@ def test_every_model_computes_in_bfloat16_with_float32_parameters(name, image_sh
   layers = _modules(model, (nnx.Conv, nnx.Linear, nnx.BatchNorm))
   assert layers and all(layer.dtype == jnp.bfloat16 for layer in layers)
   assert _float_dtypes(model) == {jnp.dtype(jnp.float32)}
+  # The logits come back in float32, for the loss, predict's softmax and export.
   images = jax.ShapeDtypeStruct((2, *image_shape), jnp.float32)
-  assert nnx.eval_shape(lambda model, x: model(x), model, images).dtype == jnp.bfloat16
+  assert nnx.eval_shape(lambda model, x: model(x), model, images).dtype == jnp.float32
 
 
 def test_bfloat16_training_keeps_float32_state_and_lowers_the_loss():
