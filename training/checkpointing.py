@@ -137,8 +137,15 @@ def _training_items(model: nnx.Module, optimizer: nnx.Optimizer, ema: nnx.EMA | 
 
 
 def create_ema(config: ml_collections.ConfigDict, model: nnx.Module) -> nnx.EMA | None:
-  """The moving average of `model`'s parameters if config.ema_decay > 0, else None."""
-  return nnx.EMA(model, config.ema_decay, only=nnx.Param) if config.ema_decay else None
+  """The moving average of `model`'s parameters if config.ema_decay > 0, else None.
+
+  BatchNorm's running statistics are averaged too: statistics of the current weights do not
+  fit the averaged ones (eval accuracy 0.12 after 2 MNIST epochs with decay 0.999, in a run
+  that trained at 0.98).
+  """
+  if not config.ema_decay:
+    return None
+  return nnx.EMA(model, config.ema_decay, only=nnx.Any(nnx.Param, nnx.BatchStat))
 
 
 def maximizes(metric: str) -> bool:
