@@ -140,19 +140,19 @@ def measure_project(config) -> dict[str, float]:
   source = data_sources.open_source(config)
   info = source.info(config)
   train_split, eval_batches = train.load_data(config, source, info, mesh)
-  model, optimizer, _ = train.create_model_and_optimizer(
+  model, optimizer, ema, _ = train.create_model_and_optimizer(
       config, info, info.num_train_examples // config.batch_size)
   metrics = train.Metrics.empty()
   chunks = (parallel.shard(chunk, mesh, axis=1)
             for chunk in input_pipeline.train_batches(train_split, config))
   first = next(chunks)
   examples_per_call = first['label'].size
-  compile_s, flops = flops_per_example(train.train_steps, model, optimizer, metrics, first,
+  compile_s, flops = flops_per_example(train.train_steps, model, optimizer, ema, metrics, first,
                                        examples=examples_per_call)
 
   def step(chunk):
     nonlocal metrics
-    metrics = train.train_steps(model, optimizer, metrics, chunk)
+    metrics = train.train_steps(model, optimizer, ema, metrics, chunk)
     return metrics
 
   results = measure_training(step, chunks, examples_per_call,
