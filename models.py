@@ -2,9 +2,9 @@
 
 A model is an `nnx.Module` class whose constructor takes the image shape (height, width,
 channels), the number of classes, `layers` (the convolution, dense, batch-norm, dropout and
-pooling layers to build from, see `kernels`), `rngs`, and its own options as keyword arguments, which come from
-`config.model_options.<name>`. To add one: write the class, add it to `MODELS`, and (if it has
-options) add them to `config.model_options` in your config. See README.md.
+pooling layers to build from, see `kernels`), `rngs`, and its own options as keyword arguments,
+which come from `config.model_options.<name>`. To add one: write the class, add it to `MODELS`,
+and (if it has options) add them to `config.model_options` in your config. See README.md.
 """
 
 from collections.abc import Callable
@@ -85,8 +85,8 @@ class ResidualBlock(nnx.Module):
     self.batch_norm1 = layers.batch_norm(out_features, momentum=0.9, rngs=rngs)
     self.conv2 = conv(out_features, out_features, kernel_size=(3, 3))
     # Zero scale: every block starts as the identity, which trains deep stacks more easily.
-    self.batch_norm2 = layers.batch_norm(out_features, momentum=0.9, scale_init=nnx.initializers.zeros,
-                                     rngs=rngs)
+    self.batch_norm2 = layers.batch_norm(out_features, momentum=0.9,
+                                         scale_init=nnx.initializers.zeros, rngs=rngs)
     self.shortcut = (nnx.Sequential(conv(in_features, out_features, kernel_size=(1, 1)),
                                     layers.batch_norm(out_features, momentum=0.9, rngs=rngs))
                      if in_features != out_features else None)
