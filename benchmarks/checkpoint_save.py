@@ -45,7 +45,7 @@ def main():
   logging.set_verbosity(logging.ERROR)
   config = default.get_config()
   info = base.DatasetInfo('mnist', (28, 28, 1), 10, 60_000, 10_000)
-  model, optimizer, _ = train.create_model_and_optimizer(config, info, 468)
+  model, optimizer, _, _ = train.create_model_and_optimizer(config, info, 468)
   items = {'model': nnx.state(model), 'train': nnx.state(optimizer)}
   for enable_async in (False, True):
     times = blocking_times(items, enable_async)

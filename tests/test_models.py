@@ -158,7 +158,7 @@ def test_a_model_added_to_the_registry_trains_from_the_config_alone(monkeypatch)
   config_checks.check_config(config)
   info = base.DatasetInfo(name='random', image_shape=(28, 28, 1), num_classes=10,
                           num_train_examples=96, num_eval_examples=0)
-  model, optimizer, _ = train.create_model_and_optimizer(config, info, steps_per_epoch=3)
+  model, optimizer, _, _ = train.create_model_and_optimizer(config, info, steps_per_epoch=3)
   assert isinstance(model, TinyNet) and model.conv.kernel.shape == (3, 3, 1, 6)
   # On this CPU backend, 'auto' built it from the CPU layers.
   assert isinstance(model.conv, kernels.cpu.Conv)
@@ -166,7 +166,7 @@ def test_a_model_added_to_the_registry_trains_from_the_config_alone(monkeypatch)
   batches = {'image': rng.random((3, 32, 28, 28, 1), dtype=np.float32),
              'label': rng.integers(0, 10, (3, 32)).astype(np.int32)}
   kernel_before = np.array(model.conv.kernel[...])
-  metrics = train.train_steps(model, optimizer, train.Metrics.empty(), batches)
+  metrics = train.train_steps(model, optimizer, None, train.Metrics.empty(), batches)
   assert train.summarize(metrics, 'train')['train_num_examples'] == 96
   assert not np.allclose(model.conv.kernel[...], kernel_before)
 

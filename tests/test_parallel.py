@@ -60,10 +60,10 @@ for name, mesh in (('one', jax.make_mesh((1,), ('data',), axis_types=auto,
       if step == 1:
         compiles.clear()
       batch = parallel.shard(jax.tree.map(lambda x: x[step], batches), mesh, axis=1)
-      metrics = train.train_steps(model, optimizer, metrics, batch)
+      metrics = train.train_steps(model, optimizer, None, metrics, batch)
     later_compiles = len(compiles)
     eval_metrics, _ = train.evaluate(model, parallel.eval_batches(
-        source.load_split, 10_000, config, mesh))
+        source.load_split, config.eval_split, 10_000, config, mesh))
   out[name] = {**train.summarize(metrics, 'train'), **eval_metrics,
                'later_train_compiles': later_compiles,
                'batch_spec': str(batch['image'].sharding.spec),

@@ -25,7 +25,7 @@ _INFO = base.DatasetInfo(name='mnist', image_shape=(28, 28, 1), num_classes=10,
 def _setup(**overrides):
   config = default.get_config()
   config.update(overrides)
-  model, optimizer, _ = train.create_model_and_optimizer(config, _INFO, steps_per_epoch=100)
+  model, optimizer, _, _ = train.create_model_and_optimizer(config, _INFO, steps_per_epoch=100)
   return model, optimizer
 
 
@@ -44,7 +44,8 @@ def _loss_without_dropout(model, batch):
 
 def test_compiled_creation_equals_eager_creation():
   config = default.get_config()
-  model, optimizer, schedule = train.create_model_and_optimizer(config, _INFO, 100)
+  model, optimizer, _, _ = train.create_model_and_optimizer(config, _INFO, 100)
+  schedule = optimizers.create_learning_rate_schedule(config, 100)
   eager_model = models.create_model(config, (28, 28, 1), 10, nnx.Rngs(config.seed))
   eager_optimizer = nnx.Optimizer(eager_model, optimizers.create_optimizer(config, schedule),
                                   wrt=nnx.Param)
@@ -71,13 +72,14 @@ def test_steps_compiled_ahead_are_reused_and_change_nothing():
   results = []
   with jax.set_mesh(mesh):
     for compile_ahead in (True, False):
-      model, optimizer, _ = train.create_model_and_optimizer(config, _INFO, 100)
+      model, optimizer, _, _ = train.create_model_and_optimizer(config, _INFO, 100)
       if compile_ahead:
         compiles.clear()
-        train.compile_steps(model, optimizer, config, _INFO, mesh)
+        train.compile_steps(model, optimizer, None, config, _INFO, mesh)
         assert len(compiles) >= 2  # The train steps and the eval step (and eager zeros).
         compiles.clear()
-      metrics = train.train_steps(model, optimizer, train.Metrics.empty(), batches)
+      metrics = train.train_steps(model, optimizer, None, train.Metrics.empty(), batches,
+                                  config.label_smoothing)  # As train.py calls it.
       model.eval()
       train.eval_step(model, train.Metrics.empty(), eval_batches[0])
       model.train()
@@ -104,7 +106,7 @@ def test_train_step_lowers_loss_on_a_fixed_batch(tfds_data_dir):
   batch = {'image': split.images[None].astype(np.float32) / 255, 'label': split.labels[None]}
   model, optimizer = _setup()
   before = _loss_without_dropout(model, batch)
-  train.train_steps(model, optimizer, train.Metrics.empty(), batch)
+  train.train_steps(model, optimizer, None, train.Metrics.empty(), batch)
   after = _loss_without_dropout(model, batch)
   assert after < before - 0.1, (before, after)
 
@@ -112,11 +114,11 @@ def test_train_step_lowers_loss_on_a_fixed_batch(tfds_data_dir):
 def test_k_steps_in_one_dispatch_equal_k_single_steps():
   batches = _batches(3)
   model_a, optimizer_a = _setup()
-  metrics_a = train.train_steps(model_a, optimizer_a, train.Metrics.empty(), batches)
+  metrics_a = train.train_steps(model_a, optimizer_a, None, train.Metrics.empty(), batches)
   model_b, optimizer_b = _setup()
   metrics_b = train.Metrics.empty()
   for i in range(3):
-    metrics_b = train.train_steps(model_b, optimizer_b, metrics_b,
+    metrics_b = train.train_steps(model_b, optimizer_b, None, metrics_b,
                                   jax.tree.map(lambda x, i=i: x[i:i + 1], batches))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                nnx.state(model_a, nnx.Param, nnx.BatchStat),
@@ -153,7 +155,7 @@ def test_every_optimizer_trains(name):
   kernels = lambda: [np.array(layer.kernel[...]) for layer in
                      (model.conv1, model.conv2, model.linear1, model.linear2)]
   before = kernels()
-  train.train_steps(model, optimizer, train.Metrics.empty(), _batches(1))
+  train.train_steps(model, optimizer, None, train.Metrics.empty(), _batches(1))
   for old, new in zip(before, kernels()):
     assert not np.allclose(old, new)
 

@@ -19,12 +19,13 @@ from training import config_checks
 
 LOCK_FILE = 'lock'
 CONFIG_FILE = 'config.json'
-# Changing these on resume would continue with another data order or another model shape than
-# the checkpoint's, so a resumed run refuses them. Any other key may change (learning rate,
-# epochs, logging, ...), with a warning. A key also covers its sub-keys (model_options.cnn...).
+# Changing these on resume would continue with another data order, or another shape of the
+# model or optimizer state, than the checkpoint's, so a resumed run refuses them. Any other key
+# may change (learning rate, epochs, logging, ...), with a warning. A key also covers its
+# sub-keys (model_options.cnn...).
 FIXED_ON_RESUME = ('data_source', 'dataset', 'train_split', 'batch_size', 'seed',
                    'shuffle_buffer_size', 'input_backend', 'in_memory', 'image_size', 'model',
-                   'model_options', 'optimizer', 'ema_decay')
+                   'model_options', 'optimizer', 'grad_accum_steps', 'ema_decay')
 
 
 @contextlib.contextmanager
