@@ -5,8 +5,10 @@ memory (`base.Split`), or `Streamed`: read from the source's files on every pass
 image folders), decoded in parallel, never whole in memory. Either way, images are resized to
 `config.image_size` where they are decoded and stay uint8 until batched.
 
-Training batches go through tf.data in the order shuffle -> batch -> map (uint8 -> float32 in
-[0, 1], then `config.augment`) -> prefetch, or through a torch DataLoader
+Training examples go through tf.data as map (decode and resize, once for a split in memory,
+on every pass when streamed) -> shuffle -> batch -> prefetch, where each batch is also mapped
+from uint8 to float32 in [0, 1] and `config.augment`ed as it is made (vectorised over the batch,
+and the shuffle buffer holds uint8: a quarter of the memory), or through a torch DataLoader
 (`config.input_backend='torch'`, in memory only). They come stacked in chunks of
 `config.steps_per_dispatch` so that one jit call can run several steps. Every epoch has its own
 shuffle order (and file order, when streamed) and augmentation draws, derived from
