@@ -57,13 +57,21 @@ class MLP(nnx.Module):
 
   def __init__(self, image_shape: tuple[int, int, int], num_classes: int, *,
                layers: kernels.Layers, rngs: nnx.Rngs,
-               hidden_features: tuple[int, ...] = (512, 512)):
+               hidden_features: tuple[int, ...] = (512, 512), input_scale: float = 1.0,
+               init_stddev: float | None = None):
+    """`input_scale` multiplies the input pixels (in [0, 1]): 255 gives the raw values 0-255.
+    `init_stddev` draws every weight and bias from N(0, init_stddev^2); None = Flax's default
+    (LeCun normal weights, zero biases)."""
     sizes = (math.prod(image_shape), *hidden_features, num_classes)
-    self.linears = nnx.List([layers.linear(size_in, size_out, rngs=rngs)
+    init = ({} if init_stddev is None else
+            {'kernel_init': nnx.initializers.normal(init_stddev),
+             'bias_init': nnx.initializers.normal(init_stddev)})
+    self.input_scale = input_scale
+    self.linears = nnx.List([layers.linear(size_in, size_out, rngs=rngs, **init)
                              for size_in, size_out in zip(sizes[:-1], sizes[1:])])
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    x = x.reshape(x.shape[0], -1)
+    x = x.reshape(x.shape[0], -1) * self.input_scale
     for linear in self.linears[:-1]:
       x = nnx.relu(linear(x))
     return self.linears[-1](x).astype(jnp.float32)  # As CNN's.

@@ -186,3 +186,19 @@ def test_cifar10_recipe_trains_on_generated_colour_images(tmp_path):
   assert metrics['eval_num_examples'] == 24
   assert metrics['eval_accuracy'] >= 0.6, metrics  # 3 classes: chance is 1/3.
   assert metrics['train_loss'] < np.log(3), metrics
+
+
+def test_mlp_input_scale_and_init_stddev_options():
+  config = default.get_config()
+  config.model = 'mlp'
+  config.model_options.mlp.update(input_scale=255.0, init_stddev=0.01)
+  model = models.create_model(config, (28, 28, 1), 10, nnx.Rngs(0))
+  biases = jnp.concatenate([linear.bias[...] for linear in model.linears])  # 1,034 values.
+  for values in (*(linear.kernel[...] for linear in model.linears), biases):  # N(0, 0.01^2).
+    assert abs(float(values.std()) - 0.01) < 0.001 and abs(float(values.mean())) < 0.001
+  plain = default.get_config()
+  plain.model = 'mlp'
+  unscaled = models.create_model(plain, (28, 28, 1), 10, nnx.Rngs(0))
+  nnx.update(unscaled, nnx.state(model))
+  images = np.random.default_rng(0).random((2, 28, 28, 1), np.float32)
+  np.testing.assert_allclose(model(images), unscaled(images * 255.0), rtol=1e-5, atol=1e-5)
