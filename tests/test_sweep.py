@@ -67,12 +67,14 @@ def test_bad_sweep_specs(specs, overrides, message):
 
 
 def _sweep(workdir, *args, data_dir):
-  """Runs a 2x2 sweep of tiny real-MNIST MLP runs (10-20 steps, 1,000 eval examples)."""
+  """Runs a 2x2 sweep of tiny real-MNIST MLP runs (10-20 steps, 1,000 eval and 500 test
+  examples)."""
   return subprocess.run(
       [sys.executable, 'sweep.py', '--config=configs/default.py', f'--workdir={workdir}',
        '--sweep=learning_rate=0.05,0.1', '--sweep=batch_size=64,128',
        f'--config.data_dir={data_dir}', '--config.model=mlp', '--config.num_epochs=1',
-       "--config.train_split=train[:1280]", '--config.eval_split=test[:1000]', *args],
+       "--config.train_split=train[:1280]", '--config.eval_split=test[:1000]',
+       '--config.test_split=test[1000:1500]', *args],
       cwd=ROOT, capture_output=True, text=True, timeout=900)
 
 
@@ -113,6 +115,9 @@ def test_sweep_runs_tables_and_skips_when_rerun(finished_sweep, tfds_data_dir):
     assert row['overrides'].endswith(swept) and '--config.model=mlp' in row['overrides']
   markdown = (finished_sweep / 'sweep_results.md').read_text().splitlines()
   assert markdown[0].startswith('| run | overrides | best_eval_accuracy') and len(markdown) == 6
+  # The test split, scored once per run with its best checkpoint, gets a column.
+  assert markdown[0].rstrip().endswith('| test_accuracy |')
+  assert all(0.5 < float(row['test_accuracy']) <= 1 for row in rows)
 
   files = {path: path.stat().st_mtime_ns for path in finished_sweep.glob('*/*')}
   result = _sweep(finished_sweep, data_dir=tfds_data_dir)
@@ -174,7 +179,7 @@ def test_tensorboard_serves_scalars_hparams_and_images(finished_sweep):
                for run in RUNS)
     experiment = _get(f'{url}/plugin/hparams/experiment', {'experimentName': ''})
     assert [metric['name']['tag'] for metric in experiment['metricInfos']] == [
-        'eval_accuracy', 'eval_loss']
+        'eval_accuracy', 'eval_loss', 'test_accuracy', 'test_loss']
     assert {'learning_rate', 'batch_size'} <= {info['name'] for info in experiment['hparamInfos']}
     groups = _get(f'{url}/plugin/hparams/session_groups',
                   {'experimentName': '', 'startIndex': 0, 'sliceSize': 100,
@@ -185,7 +190,7 @@ def test_tensorboard_serves_scalars_hparams_and_images(finished_sweep):
       assert run == f'learning_rate={group["hparams"]["learning_rate"]},' \
                     f'batch_size={group["hparams"]["batch_size"]:.0f}'
       assert {value['name']['tag'] for value in group['metricValues']} == {
-          'eval_accuracy', 'eval_loss'}
+          'eval_accuracy', 'eval_loss', 'test_accuracy', 'test_loss'}
   finally:
     server.terminate()
     server.wait(timeout=30)
