@@ -58,12 +58,12 @@ class MLP(nnx.Module):
   def __init__(self, image_shape: tuple[int, int, int], num_classes: int, *,
                layers: kernels.Layers, rngs: nnx.Rngs,
                hidden_features: tuple[int, ...] = (512, 512), input_scale: float = 1.0,
-               init_stddev: float | None = None):
+               init_stddev: float = 0.0):
     """`input_scale` multiplies the input pixels (in [0, 1]): 255 gives the raw values 0-255.
-    `init_stddev` draws every weight and bias from N(0, init_stddev^2); None = Flax's default
+    `init_stddev` draws every weight and bias from N(0, init_stddev^2); 0 = Flax's default
     (LeCun normal weights, zero biases)."""
     sizes = (math.prod(image_shape), *hidden_features, num_classes)
-    init = ({} if init_stddev is None else
+    init = ({} if not init_stddev else
             {'kernel_init': nnx.initializers.normal(init_stddev),
              'bias_init': nnx.initializers.normal(init_stddev)})
     self.input_scale = input_scale

@@ -45,9 +45,8 @@ def get_config() -> ml_collections.ConfigDict:
       'cnn': {'conv1_features': 32, 'conv2_features': 64, 'hidden_features': 256,
               'dropout_rate': 0.025},
       # input_scale multiplies the [0, 1] pixels; init_stddev: N(0, s^2) weights and biases
-      # instead of Flax's default init (None).
-      'mlp': {'hidden_features': (512, 512), 'input_scale': 1.0,
-              'init_stddev': ml_collections.config_dict.placeholder(float)},
+      # instead of Flax's default init (0).
+      'mlp': {'hidden_features': (512, 512), 'input_scale': 1.0, 'init_stddev': 0.0},
       # Stage widths (a stage per width, each after the first at half the resolution) and
       # residual blocks per stage: 6 * blocks_per_stage + 2 layers.
       'resnet': {'widths': (16, 32, 64), 'blocks_per_stage': 3},
