@@ -32,7 +32,8 @@ def get_config() -> ml_collections.ConfigDict:
   # when it fits a quarter of the machine's memory as float32, else streamed.
   config.in_memory = 'auto'
   # Training-batch augmentation, ops joined by '|' ('' = none): flip_lr,
-  # random_crop(size, pad=0), translate(pixels); e.g. 'random_crop(32, pad=4)|flip_lr'.
+  # random_crop(size, pad=0), translate(pixels), rotate(degrees);
+  # e.g. 'random_crop(32, pad=4)|flip_lr'.
   config.augment = ''
   config.input_backend = 'tf'  # Training batches from 'tf' (tf.data) or 'torch' (DataLoader).
   config.steps_per_dispatch = 1  # Train steps run per jit call (unrolled in one dispatch).

@@ -8,7 +8,9 @@ training batches (batch, height, width, channels), drawing independently for eve
   random_crop(size, pad=0)  pad every side with `pad` black pixels, then take a random
                             size x size window (size must be the image size: the model's input);
   translate(pixels)         shift by up to `pixels` rows and columns each way, filling with black
-                            (random_crop at the image's own size).
+                            (random_crop at the image's own size);
+  rotate(degrees)           rotate about the centre by an angle drawn uniformly from
+                            [-degrees, degrees], bilinear, filling with black.
 
 Draws come from TensorFlow's stateless random ops, seeded per batch by `input_pipeline` from
 (config.seed, epoch, batch number): the same seed gives the same batches, and a resumed run
@@ -18,6 +20,7 @@ continues with the draws of the uninterrupted one. Eval and predict images are n
 import ast
 from collections.abc import Callable
 import functools
+import math
 
 import tensorflow as tf
 
@@ -59,9 +62,34 @@ def translate(pixels: int) -> Op:
   return functools.partial(_crop, size=None, pad=pixels)
 
 
+def rotate_by(images: tf.Tensor, angles: tf.Tensor) -> tf.Tensor:
+  """Each image rotated counter-clockwise by its angle (radians) about its centre.
+
+  TensorFlow's projective-transform op (the one Keras's RandomRotation runs), given for each
+  image the map from output to input pixel coordinates: a rotation about the centre.
+  """
+  height, width = images.shape[1:3]
+  cos, sin = tf.cos(angles), tf.sin(angles)
+  x_offset = ((width - 1) - (cos * (width - 1) - sin * (height - 1))) / 2
+  y_offset = ((height - 1) - (sin * (width - 1) + cos * (height - 1))) / 2
+  zeros = tf.zeros_like(angles)
+  transforms = tf.stack([cos, -sin, x_offset, sin, cos, y_offset, zeros, zeros], axis=1)
+  return tf.raw_ops.ImageProjectiveTransformV3(
+      images=images, transforms=transforms, output_shape=tf.constant([height, width]),
+      fill_value=0.0, interpolation='BILINEAR', fill_mode='CONSTANT')
+
+
+def rotate(degrees: float) -> Op:
+  if isinstance(degrees, bool) or not isinstance(degrees, (int, float)) or not 0 < degrees <= 180:
+    raise ValueError(f'degrees={degrees!r} must be a number in (0, 180]')
+  limit = degrees * math.pi / 180
+  return lambda images, seed: rotate_by(images, tf.random.stateless_uniform(
+      tf.shape(images)[:1], seed, -limit, limit))
+
+
 OPS: dict[str, Callable[..., Op]] = {'flip_lr': flip_lr, 'random_crop': random_crop,
-                                     'translate': translate}
-_USAGE = 'flip_lr, random_crop(size, pad=0), translate(pixels)'
+                                     'translate': translate, 'rotate': rotate}
+_USAGE = 'flip_lr, random_crop(size, pad=0), translate(pixels), rotate(degrees)'
 
 
 def parse(spec: str) -> list[Op]:

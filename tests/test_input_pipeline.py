@@ -149,9 +149,11 @@ def test_unprepared_offline_dataset_names_the_manual_dir(tmp_path, monkeypatch):
     (dict(image_size=-3), r'config.image_size=-3 is invalid'),
     (dict(in_memory='sometimes'), r"Unknown in_memory 'sometimes'.*\['auto', 'always', "
                                   r"'never'\]"),
-    (dict(augment='rotate(10)'), r"config.augment='rotate\(10\)' is invalid: unknown op "
-                                 r"'rotate' \(ops: flip_lr, random_crop\(size, pad=0\), "
-                                 r'translate\(pixels\)\)'),
+    (dict(augment='shear(10)'), r"config.augment='shear\(10\)' is invalid: unknown op "
+                                r"'shear' \(ops: flip_lr, random_crop\(size, pad=0\), "
+                                r'translate\(pixels\), rotate\(degrees\)\)'),
+    (dict(augment='rotate(0)'), r"bad arguments for .rotate\(0\).: degrees=0 must be a number "
+                                r'in \(0, 180\]'),
     (dict(augment='flip_lr|random_crop(32, pad=-1)'), r'bad arguments for .random_crop\(32, '
                                                       r'pad=-1\).: pad=-1 must be an integer >= 0'),
     (dict(augment='random_crop(32, 4, 5)'), r'bad arguments for .*takes from 1 to 2 positional'),
@@ -210,6 +212,23 @@ def test_augmentation_ops_draw_per_image():
     assert len(offsets) > 1, spec  # ...at offsets that differ between images.
   cropped = augmentations.apply(augmentations.parse('random_crop(4)'), images, seed)
   assert cropped.shape == (64, 4, 4, 2)
+
+
+def test_rotate_turns_each_image_by_its_own_angle_within_the_limit():
+  rng = np.random.default_rng(0)
+  images = rng.random((64, 6, 6, 2)).astype(np.float32)
+  # A quarter turn is exact on a square grid: counter-clockwise, about the centre.
+  quarter = augmentations.rotate_by(images, tf.fill([64], np.pi / 2)).numpy()
+  np.testing.assert_allclose(quarter, np.rot90(images, axes=(1, 2)), atol=1e-5)
+  # A single bright pixel at radius 10 from the centre of a 21x21 image: where it lands gives
+  # the angle each image was turned by.
+  dot = np.zeros((256, 21, 21, 1), np.float32)
+  dot[:, 10, 20] = 1  # Right of the centre (10, 10).
+  out = augmentations.apply(augmentations.parse('rotate(15)'), dot, tf.constant([1, 2])).numpy()
+  rows, columns = np.unravel_index(out[..., 0].reshape(256, -1).argmax(axis=1), (21, 21))
+  angles = np.degrees(np.arctan2(10 - rows, columns - 10))  # Counter-clockwise, rows grow down.
+  assert np.all(np.abs(angles) <= 15 + 3)  # Within the limit (plus a pixel's rounding)...
+  assert angles.min() < -10 and angles.max() > 10  # ...spread over it, drawn per image.
 
 
 def test_augmented_batches_are_seeded_and_resume_exactly():
