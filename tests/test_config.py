@@ -1,5 +1,7 @@
 """Bad input fails fast, before any data is read, with a message naming the value and the fix."""
 
+import glob
+import importlib
 import os
 import subprocess
 import sys
@@ -42,6 +44,14 @@ def test_bad_values_fail_before_data_is_read(tmp_path, key, value, message):
   with pytest.raises(config_checks.ConfigError, match=message):
     train.train_and_evaluate(config, str(tmp_path / 'workdir'))
   assert not (tmp_path / 'no_data_here').exists()
+
+
+@pytest.mark.parametrize('path', sorted(glob.glob(os.path.join(ROOT, 'configs', '*.py'))))
+def test_every_shipped_config_passes_the_checks(path):
+  config = importlib.import_module(f'configs.{os.path.basename(path)[:-3]}').get_config()
+  config_checks.check_config(config)
+  image_shape = (32, 32, 3) if 'cifar' in path else (28, 28, 1)
+  config_checks.check_augment(config, image_shape)
 
 
 def test_batch_larger_than_train_split():
