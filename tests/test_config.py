@@ -86,6 +86,11 @@ def _main(*args):
      'Flag error: flag --config.batch_size=abc:'),
     (['--config=configs/default.py', '--config.num_epochs=0'],
      'Config error: config.num_epochs=0 is invalid: it must be an integer >= 1.'),
+    (['--config=configs/default.py', '--mode=predict'],
+     'Config error: --mode=predict needs --inputs=PATH'),
+    (['--config=configs/default.py', '--config.data_source=folder',
+      '--config.dataset=/no/such/folder'],
+     "Config error: Image folder '/no/such/folder' is not a directory"),
 ])
 def test_cli_mistakes_end_in_one_line(tmp_path, args, line):
   result = _main(*args, f'--workdir={tmp_path}')
