@@ -1,10 +1,11 @@
 """Flax NNX models, chosen by name (`config.model`) with their options from the config.
 
-A model is an `nnx.Module` class whose constructor takes the image shape (height, width,
-channels), the number of classes, `layers` (the convolution, dense, batch-norm, dropout and
-pooling layers to build from, see `kernels`), `rngs`, and its own options as keyword arguments,
-which come from `config.model_options.<name>`. To add one: write the class, add it to `MODELS`,
-and (if it has options) add them to `config.model_options` in your config. See README.md.
+A model is an `nnx.Module` class registered with `@MODELS.register(name)`, whose constructor
+takes the image shape (height, width, channels), the number of classes, `layers` (the
+convolution, dense, batch-norm, dropout and pooling layers to build from, see `kernels`),
+`rngs`, and its own options as keyword arguments, which come from
+`config.model_options.<name>`. To add one: write the class here (or in a module of your own that
+your config file imports) with the decorator. See README.md.
 """
 
 from collections.abc import Callable
@@ -17,13 +18,16 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from core import registry
 import kernels
 
 T = TypeVar('T')
+MODELS = registry.Registry('model', key='model', app_args=2)  # (image_shape, num_classes)
 # He et al.'s initialisation for convolutions followed by ReLU.
 _HE_NORMAL = nnx.initializers.variance_scaling(2.0, 'fan_out', 'normal')
 
 
+@MODELS.register('cnn')
 class CNN(nnx.Module):
   """The CNN of flax's MNIST example, layer for layer and in its order."""
 
@@ -52,6 +56,7 @@ class CNN(nnx.Module):
     return self.linear2(x).astype(jnp.float32)  # Logits in float32 whatever the compute dtype.
 
 
+@MODELS.register('mlp')
 class MLP(nnx.Module):
   """A multilayer perceptron on flattened images: 784-512-512-10 on MNIST by default."""
 
@@ -80,28 +85,26 @@ class MLP(nnx.Module):
 class ResidualBlock(nnx.Module):
   """A basic residual block: two 3x3 convolutions, each batch-normalised, plus the input.
 
-  With `downsample`, the block first halves the height and width with a 2x2 average pool (on
-  both paths), and a 1x1 convolution fits the shortcut to the new width.
+  With `downsample`, the first convolution has stride 2, halving the height and width, and a
+  1x1 stride-2 convolution fits the shortcut to the new size and width.
   """
 
   def __init__(self, in_features: int, out_features: int, *, downsample: bool,
                layers: kernels.Layers, rngs: nnx.Rngs):
     conv = functools.partial(layers.conv, use_bias=False, kernel_init=_HE_NORMAL, rngs=rngs)
-    self.downsample = downsample
-    self.pool = functools.partial(layers.avg_pool, window_shape=(2, 2), strides=(2, 2))
-    self.conv1 = conv(in_features, out_features, kernel_size=(3, 3))
+    strides = (2, 2) if downsample else (1, 1)
+    self.conv1 = conv(in_features, out_features, kernel_size=(3, 3), strides=strides)
     self.batch_norm1 = layers.batch_norm(out_features, momentum=0.9, rngs=rngs)
     self.conv2 = conv(out_features, out_features, kernel_size=(3, 3))
     # Zero scale: every block starts as the identity, which trains deep stacks more easily.
     self.batch_norm2 = layers.batch_norm(out_features, momentum=0.9,
                                          scale_init=nnx.initializers.zeros, rngs=rngs)
-    self.shortcut = (nnx.Sequential(conv(in_features, out_features, kernel_size=(1, 1)),
+    self.shortcut = (nnx.Sequential(conv(in_features, out_features, kernel_size=(1, 1),
+                                         strides=strides),
                                     layers.batch_norm(out_features, momentum=0.9, rngs=rngs))
-                     if in_features != out_features else None)
+                     if in_features != out_features or downsample else None)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    if self.downsample:
-      x = self.pool(x)
     y = nnx.relu(self.batch_norm1(self.conv1(x)))
     y = self.batch_norm2(self.conv2(y))
     if self.shortcut is not None:
@@ -109,14 +112,13 @@ class ResidualBlock(nnx.Module):
     return nnx.relu(x + y)
 
 
+@MODELS.register('resnet')
 class ResNet(nnx.Module):
   """A small ResNet for 32x32 colour images (ResNet-20 of He et al. 2016 by default).
 
   A 3x3 stem, then one stage of `blocks_per_stage` residual blocks per width in `widths`, each
-  stage after the first halving the resolution, then global average pooling and a linear
-  classifier. Resolution is halved by 2x2 average pooling rather than by stride-2 convolutions,
-  the same cost in FLOPs, because the XLA:CPU convolution (`kernels.cpu.Conv`) implements
-  stride 1 only: so the model gets the faster CPU layers too.
+  stage after the first halving the resolution with a stride-2 convolution, then global average
+  pooling and a linear classifier.
   """
 
   def __init__(self, image_shape: tuple[int, int, int], num_classes: int, *,
@@ -143,27 +145,12 @@ class ResNet(nnx.Module):
     return self.linear(x.mean(axis=(1, 2))).astype(jnp.float32)
 
 
-MODELS: dict[str, type[nnx.Module]] = {'cnn': CNN, 'mlp': MLP, 'resnet': ResNet}
-
-
-def model_options(config: ml_collections.ConfigDict) -> dict:
-  """The options of `config.model` from `config.model_options.<name>` ({} when it has none)."""
-  options = config.model_options.get(config.model)
-  return options.to_dict() if options is not None else {}
-
-
 def create_model(config: ml_collections.ConfigDict, image_shape: tuple[int, int, int],
                  num_classes: int, rngs: nnx.Rngs) -> nnx.Module:
-  """Builds `config.model` for `image_shape` from the layers `config.cpu_kernels` selects.
-
-  Its layers compute in `config.compute_dtype`; its parameters are float32.
-  """
-  if config.model not in MODELS:
-    raise ValueError(
-        f'Unknown model {config.model!r}: config.model must be one of {sorted(MODELS)}.')
+  """Builds `config.model` with its options for `image_shape`, from the layers that
+  `config.cpu_kernels` selects, computing in `config.compute_dtype` (parameters are float32)."""
   layers = kernels.select_layers(config.cpu_kernels, compute_dtype=config.compute_dtype)
-  return MODELS[config.model](tuple(image_shape), num_classes, layers=layers, rngs=rngs,
-                              **model_options(config))
+  return MODELS.create(config, tuple(image_shape), num_classes, layers=layers, rngs=rngs)
 
 
 def create_compiled(create: Callable[[], T]) -> T:

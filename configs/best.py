@@ -19,10 +19,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.train_split = 'train[:55000]'
   config.eval_split = 'train[55000:]'
   config.test_split = 'test'
-  config.augment = 'translate(2)|rotate(10)'
-  config.label_smoothing = 0.1
+  config.preprocess = 'translate(2)|rotate(10)'
+  config.loss_options.cross_entropy.label_smoothing = 0.1
   config.ema_decay = 0.999
-  config.schedule = 'warmup_cosine'
+  config.schedule = 'cosine'
   config.warmup_epochs = 1.0
   config.num_epochs = 20
   return config

@@ -8,7 +8,8 @@ be downloaded on this machine); the tests check that it trains on a small genera
 dataset. For other 32x32 colour data, e.g. an image folder:
 
     python main.py --config=configs/cifar10.py --workdir=runs/mine \
-      --config.data_source=folder --config.dataset=/path/to/root --config.image_size=32
+      --config.data_source=folder --config.dataset=/path/to/root \
+      --config.preprocess='resize(32)|random_crop(32, pad=4)|flip_lr'
 """
 
 import ml_collections
@@ -20,13 +21,12 @@ def get_config() -> ml_collections.ConfigDict:
   config = default.get_config()
   config.dataset = 'cifar10'
   config.shuffle_buffer_size = 50_000  # The whole training split: a perfect shuffle.
-  config.augment = 'random_crop(32, pad=4)|flip_lr'
+  config.preprocess = 'random_crop(32, pad=4)|flip_lr'
   config.model = 'resnet'
   config.optimizer = 'sgd_l2'
   config.learning_rate = 0.1
-  config.momentum = 0.9
-  config.weight_decay = 5e-4
-  config.schedule = 'warmup_cosine'
+  config.optimizer_options.sgd_l2 = {'momentum': 0.9, 'weight_decay': 5e-4}
+  config.schedule = 'cosine'
   config.warmup_epochs = 1.0
   config.batch_size = 128
   config.num_epochs = 30

@@ -15,4 +15,5 @@ def get_config() -> ml_collections.ConfigDict:
 
 def get_sweep() -> dict[str, str]:
   """Ranges of config keys to search (see sweeps/spec.py; --sweep flags add keys)."""
-  return {'learning_rate': 'loguniform(0.01,0.5)', 'momentum': 'uniform(0.5,0.95)'}
+  return {'learning_rate': 'loguniform(0.01,0.5)',
+          'optimizer_options.sgd.momentum': 'uniform(0.5,0.95)'}

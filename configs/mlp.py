@@ -16,7 +16,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model = 'mlp'
   config.optimizer = 'sgd'
   config.learning_rate = 0.01
-  config.momentum = 0.0  # Plain SGD.
+  config.optimizer_options.sgd.momentum = 0.0  # Plain SGD.
   config.batch_size = 128
   config.num_epochs = 8
   config.model_options.mlp.input_scale = 255.0

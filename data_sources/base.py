@@ -11,17 +11,14 @@ from collections.abc import Callable, Sequence
 import dataclasses
 
 from absl import logging
-import ml_collections
 import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from core import errors
+
 SplitArg = tfds.typing.SplitArg  # A split spec such as 'train[:90%]', or one process's slice.
 _MATERIALIZE_BLOCK = 1024  # Examples per tf.data batch when a streamed split is read into memory.
-
-class DataError(ValueError):
-  """Data that is missing or does not fit the config; the message names the value and the fix."""
-
 
 @dataclasses.dataclass(frozen=True)
 class DatasetInfo:
@@ -44,6 +41,7 @@ class Split:
 
 class DataSource(abc.ABC):
   """An image-classification dataset: metadata first, then splits decoded on request."""
+  can_stream = False  # Whether `examples` reads a split from its files (config.in_memory).
 
   def __init__(self, name: str):
     self.name = name
@@ -80,38 +78,17 @@ class DataSource(abc.ABC):
     """
     raise NotImplementedError(f'{type(self).__name__} reads splits into memory only.')
 
-  def info(self, config: ml_collections.ConfigDict) -> DatasetInfo:
-    """The metadata of the config's splits (which must not be empty) and model input.
-
-    The image shape is the one after resizing to `config.image_size`; images of varying sizes
-    need that setting. The splits are checked first: a mistyped split fails before any example
-    is read.
-    """
-    num_train_examples = self._split_size(config, 'train_split')
-    num_eval_examples = self._split_size(config, 'eval_split')
-    num_test_examples = self._split_size(config, 'test_split') if config.get('test_split') else 0
-    height, width, channels = self.image_shape
-    if config.image_size:
-      height = width = config.image_size
-    elif height is None or width is None:
-      raise DataError(f'The images of {self.name} vary in size: set --config.image_size=S to '
-                      'resize them all to SxS pixels (e.g. the size of most of them).')
-    return DatasetInfo(name=self.name, image_shape=(height, width, channels),
-                       num_classes=self.num_classes,
-                       num_train_examples=num_train_examples,
-                       num_eval_examples=num_eval_examples,
-                       num_test_examples=num_test_examples,
-                       class_names=tuple(self.class_names))
-
-  def _split_size(self, config: ml_collections.ConfigDict, key: str) -> int:
+  def split_size(self, key: str, split: str) -> int:
+    """The number of examples of `split`, the value of config.`key`; a `ConfigError` naming
+    the key if it is not a split of this source or selects nothing."""
     try:
-      size = self.num_examples(config[key])
+      size = self.num_examples(split)
     except (KeyError, ValueError) as error:  # TFDS's messages name the valid splits.
-      raise DataError(f'config.{key}={config[key]!r} is not a split of {self.name}: '
-                      f'{" ".join(str(error).split())}') from error
+      raise errors.ConfigError(f'config.{key}={split!r} is not a split of {self.name}: '
+                               f'{" ".join(str(error).split())}', key=key, value=split) from error
     if not size:
-      raise DataError(f'config.{key}={config[key]!r} selects no examples of {self.name}: '
-                      'widen the slice, e.g. "train[:90%]".')
+      raise errors.ConfigError(f'config.{key}={split!r} selects no examples of {self.name}: '
+                               'widen the slice, e.g. "train[:90%]".', key=key, value=split)
     return size
 
 

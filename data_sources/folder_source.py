@@ -1,24 +1,29 @@
-"""Image folders: `root/<split>/<class name>/<image file>`, the layout of Keras, torchvision,
+"""Image folders: `root/<split>/<class name>/.../<image file>`, the layout of Keras, torchvision,
 Hugging Face and TFDS's `ImageFolder`.
 
 Splits are the root's subfolders and take TFDS's split syntax ('train[:90%]+test'). Class names
 are the class folders' names, sorted; they are the union over all splits, so a label means the
-same class in every split. Files are JPEG, PNG, BMP or GIF (its first frame), of any sizes; an
-image has 1 channel when every image of the dataset is grayscale, otherwise 3 (grayscale images
-are converted).
+same class in every split. A class folder is read recursively: images in its subfolders belong
+to it. Files are JPEG, PNG, BMP or GIF (its first frame), of any sizes; an image has 1 channel
+when every image of the dataset is grayscale, otherwise 3 (grayscale images are converted).
+Pixels are the ones an image viewer shows: a JPEG's EXIF orientation is applied, and a
+transparent PNG or BMP is composited onto white. Hidden files and folders (.DS_Store, ._*) are
+ignored.
 
-Opening the folder reads every file's header, not its pixels (PIL reads the format, size and
-colour mode from the first bytes, and checks the file's structure), so the sizes and channels
-are known before anything is decoded, and files that are not readable images are skipped, with
-one warning, instead of failing the decoder mid-epoch. Within a split, files are ordered by a
-hash of their path: stable across runs and machines, and mixed across classes, so that a slice
-such as 'train[:90%]' holds every class (TFDS orders its examples the same way).
+Opening the folder reads every file's header, not its pixels (PIL reads the format, size, colour
+mode and orientation from the first bytes, checks the file's structure, and a JPEG's end
+marker), so the sizes and channels are known before anything is decoded, and files that are not
+readable images, truncated ones included, are skipped with one warning naming them, instead of
+failing the decoder mid-epoch. Within a split, files are ordered by a hash of their path:
+stable across runs and machines, and mixed across classes, so that a slice such as
+'train[:90%]' holds every class (TFDS orders its examples the same way).
 
 Hand-written rather than `tfds.folder_dataset.ImageFolder`, which reads only .jpg/.jpeg/.png
-files, fails on the first unreadable file, shuffles without a seed, and needs the channel count
-given up front.
+files, fails on the first unreadable file, shuffles without a seed, ignores EXIF orientation
+and needs the channel count given up front.
 """
 
+import collections
 import concurrent.futures
 import dataclasses
 import hashlib
@@ -29,21 +34,36 @@ from absl import logging
 from PIL import Image
 import tensorflow as tf
 
+from core import errors
+import data_sources
 from data_sources import base
 
 FORMATS = ('JPEG', 'PNG', 'BMP', 'GIF')  # What tf.io.decode_image reads (PIL's format names).
 _GRAY_MODES = ('1', 'L', 'LA', 'I', 'I;16', 'I;16B', 'I;16L', 'F')
 _PALETTE_MODES = ('P', 'PA')
+_ALPHA_MODES = ('LA', 'PA', 'RGBA', 'La', 'RGBa')
+_EXIF_ORIENTATION = 0x0112
+_JPEG_END = b'\xff\xd9'  # A JPEG's last marker (EOI): missing from a truncated file.
 _SCAN_THREADS = 8  # Header reads wait on the disk more than on the CPU.
-_NAMED_IN_WARNING = 5  # Skipped files named in the warning.
+_NAMED_IN_WARNING = 5  # Files named in a warning.
+FEW_IMAGES = 10  # A class with fewer training images than this gets a warning.
 
 
 @dataclasses.dataclass(frozen=True)
 class ImageHeader:
   """What an image file's header says, read without decoding the pixels."""
   path: str
-  size: tuple[int, int]  # (height, width)
+  size: tuple[int, int]  # (height, width) as displayed: after the EXIF orientation.
   gray: bool
+  orientation: int = 1  # EXIF orientation, 1-8 (1: as stored).
+  alpha: bool = False
+
+
+def _jpeg_complete(path: str) -> bool:
+  """Whether the file ends with a JPEG end marker (some writers add a few bytes of padding)."""
+  with open(path, 'rb') as file:
+    file.seek(max(os.path.getsize(path) - 16, 0))
+    return _JPEG_END in file.read()
 
 
 def read_header(path: str) -> ImageHeader | None:
@@ -53,8 +73,15 @@ def read_header(path: str) -> ImageHeader | None:
       if image.format not in FORMATS:
         return None
       gray = image.mode in _GRAY_MODES or (image.mode in _PALETTE_MODES and _gray_palette(image))
-      header = ImageHeader(path, (image.height, image.width), gray)
+      orientation = image.getexif().get(_EXIF_ORIENTATION, 1) if image.format == 'JPEG' else 1
+      orientation = orientation if orientation in range(1, 9) else 1
+      size = (image.height, image.width) if orientation < 5 else (image.width, image.height)
+      alpha = image.format in ('PNG', 'BMP') and (image.mode in _ALPHA_MODES
+                                                   or 'transparency' in image.info)
+      header = ImageHeader(path, size, gray, orientation, alpha)
       image.verify()  # The file's structure (PNG checksums, ...), without decoding the pixels.
+    if image.format == 'JPEG' and not _jpeg_complete(path):
+      return None
   except Exception:  # pylint: disable=broad-except  (PIL raises many types for a bad file)
     return None
   return header
@@ -75,24 +102,61 @@ def read_headers(paths: list[str]) -> tuple[list[ImageHeader], list[str]]:
           [path for path, header in zip(paths, headers) if header is None])
 
 
+def _named(paths: list[str]) -> str:
+  more = f' and {len(paths) - _NAMED_IN_WARNING} more' if len(paths) > _NAMED_IN_WARNING else ''
+  return ', '.join(paths[:_NAMED_IN_WARNING]) + more
+
+
 def warn_skipped(paths: list[str]) -> None:
   """One warning for all the files skipped as unreadable, naming a few."""
   if paths:
-    named = ', '.join(paths[:_NAMED_IN_WARNING])
-    more = f' and {len(paths) - _NAMED_IN_WARNING} more' if len(paths) > _NAMED_IN_WARNING else ''
-    logging.warning('Skipped %d files that are not readable %s images: %s%s.', len(paths),
-                    '/'.join(FORMATS), named, more)
+    logging.warning('Skipped %d files that are not readable %s images (or are cut short): %s.',
+                    len(paths), '/'.join(FORMATS), _named(paths))
 
 
-def decode(path: tf.Tensor, channels: int) -> tf.Tensor:
-  """The uint8 pixels (height, width, channels) of an image file; a GIF's first frame.
+def warn_transparent(headers: list[ImageHeader]) -> None:
+  """One warning for the images with transparency, which are composited onto white."""
+  if transparent := [header.path for header in headers if header.alpha]:
+    logging.warning('%d images have transparency, composited onto a white background: %s.',
+                    len(transparent), _named(transparent))
 
-  Decoded to 3 channels, the only count that decode_image's BMP and GIF decoders give besides
-  the file's own; a grayscale image's 3 channels are equal, so its first channel is its exact
-  gray value.
+
+def _oriented(image: tf.Tensor, orientation: tf.Tensor) -> tf.Tensor:
+  """`image` turned as its EXIF `orientation` (1-8) says it is displayed."""
+  flip, transpose = tf.image.flip_left_right, tf.image.transpose
+  rot90 = tf.image.rot90  # Counter-clockwise.
+  return tf.switch_case(orientation - 1, [
+      lambda: image,
+      lambda: flip(image),
+      lambda: rot90(image, 2),
+      lambda: tf.image.flip_up_down(image),
+      lambda: transpose(image),
+      lambda: rot90(image, 3),  # Stored turned 90 degrees counter-clockwise.
+      lambda: rot90(flip(image), 1),
+      lambda: rot90(image, 1),
+  ])
+
+
+def decode(path: tf.Tensor, channels: int, orientation: tf.Tensor | int = 1,
+           alpha: tf.Tensor | bool = False) -> tf.Tensor:
+  """The uint8 pixels (height, width, channels) of an image file as displayed; a GIF's first
+  frame.
+
+  Decoded to 3 channels, the only count besides the file's own that decode_image's decoders all
+  give (a grayscale image's 3 channels are equal, so its first channel is its exact gray
+  value); with `alpha` (a PNG or BMP with transparency, as its header says) to RGBA, composited
+  onto white. Then the EXIF `orientation` is applied.
   """
-  image = tf.io.decode_image(tf.io.read_file(path), channels=3, expand_animations=False)
-  return image[..., :channels]
+  data = tf.io.read_file(path)
+
+  def composited() -> tf.Tensor:
+    image = tf.cast(tf.io.decode_image(data, channels=4, expand_animations=False), tf.float32)
+    rgb, opacity = image[..., :3], image[..., 3:] / 255
+    return tf.cast(tf.round(rgb * opacity + 255 * (1 - opacity)), tf.uint8)
+
+  image = tf.cond(tf.cast(alpha, tf.bool), composited,
+                  lambda: tf.io.decode_image(data, channels=3, expand_animations=False))
+  return _oriented(image, tf.cast(orientation, tf.int32))[..., :channels]
 
 
 def _visible_entries(folder: str) -> list[str]:
@@ -100,37 +164,56 @@ def _visible_entries(folder: str) -> list[str]:
   return sorted(entry for entry in os.listdir(folder) if not entry.startswith('.'))
 
 
+def find_files(folder: str) -> list[str]:
+  """Every visible file under `folder`, recursively, sorted; hidden folders are not entered."""
+  found = []
+  for parent, subfolders, files in os.walk(folder):
+    subfolders[:] = sorted(name for name in subfolders if not name.startswith('.'))
+    found += [os.path.join(parent, name) for name in sorted(files) if not name.startswith('.')]
+  return found
+
+
+@data_sources.SOURCES.register('folder')
 class FolderSource(base.RangeSource):
   """The images under `root/<split>/<class name>/`."""
+  can_stream = True
 
-  def __init__(self, root: str):
-    layout = f'the layout is {root}/<split>/<class name>/<image file>, e.g. {root}/train/cat/1.jpg'
+  def __init__(self, root: str, data_dir: str | None = None):
+    del data_dir  # The root is the dataset itself.
+    layout = (f'the layout is {root}/<split>/<class name>/<image file>, e.g. '
+              f'{root}/train/cat/1.jpg')
     if not os.path.isdir(root):
-      raise base.DataError(f'Image folder {root!r} does not exist (config.dataset): {layout}.')
+      raise errors.ConfigError(f'Image folder {root!r} does not exist (config.dataset): '
+                               f'{layout}.', key='dataset', value=root)
     splits = [name for name in _visible_entries(root) if os.path.isdir(os.path.join(root, name))]
     if not splits:
-      raise base.DataError(f'Image folder {root!r} has no split folders: {layout}.')
+      raise errors.DataError(f'Image folder {root!r} has no split folders: {layout}.', what=root)
     class_folders = {split: [name for name in _visible_entries(os.path.join(root, split))
                              if os.path.isdir(os.path.join(root, split, name))]
                      for split in splits}
     for split, classes in class_folders.items():
       if not classes:
-        raise base.DataError(f'Split folder {os.path.join(root, split)!r} has no class folders: '
-                             f'{layout}.')
+        raise errors.DataError(f'Split folder {os.path.join(root, split)!r} has no class '
+                               f'folders: {layout}.', what=os.path.join(root, split))
     class_names = sorted({name for names in class_folders.values() for name in names})
-    paths = {(split, name): [os.path.join(root, split, name, file)
-                             for file in _visible_entries(os.path.join(root, split, name))]
+    paths = {(split, name): find_files(os.path.join(root, split, name))
              for split, names in class_folders.items() for name in names}
     logging.info('Image folder %s: splits %s, %d classes.', root, splits, len(class_names))
     headers, skipped = read_headers([path for files in paths.values() for path in files])
     warn_skipped(skipped)
-    readable = {header.path: header for header in headers}
+    if not headers:
+      raise errors.DataError(f'Image folder {root!r} holds no readable '
+                             f'{"/".join(FORMATS)} image ({len(skipped)} unreadable files).',
+                             what=root)
+    warn_transparent(headers)
+    self._headers = {header.path: header for header in headers}
     self._files = {split: [] for split in splits}  # split -> [(path, label)]
     for (split, name), files in paths.items():
-      files = [path for path in files if path in readable]
+      files = [path for path in files if path in self._headers]
       if not files:
-        raise base.DataError(f'Class folder {os.path.join(root, split, name)!r} holds no '
-                             f'readable {"/".join(FORMATS)} image: add images or remove it.')
+        raise errors.DataError(f'Class folder {os.path.join(root, split, name)!r} holds no '
+                               f'readable {"/".join(FORMATS)} image: add images or remove it.',
+                               what=os.path.join(root, split, name))
       self._files[split] += [(path, class_names.index(name)) for path in files]
     for split, files in self._files.items():
       files.sort(key=lambda file: hashlib.md5(os.path.relpath(file[0], root).encode()).digest())
@@ -144,6 +227,11 @@ class FolderSource(base.RangeSource):
   def image_shape(self) -> tuple[int | None, int | None, int]:
     return (*self._size, self._channels)
 
+  def class_counts(self, split: base.SplitArg) -> collections.Counter:
+    """The number of images of each label in `split`."""
+    return collections.Counter(label for name, part in self._ranges(split)
+                               for _, label in self._files[name][part])
+
   def examples(self, split: base.SplitArg, shuffle_seed: int | None = None) -> tf.data.Dataset:
     return self._decoded([file for name, part in self._ranges(split)
                           for file in self._files[name][part]], shuffle_seed)
@@ -155,10 +243,14 @@ class FolderSource(base.RangeSource):
                shuffle_seed: int | None = None) -> tf.data.Dataset:
     """The images of `files`, decoded in parallel, in order (or shuffled by `shuffle_seed`)."""
     paths, labels = zip(*files)
-    dataset = tf.data.Dataset.from_tensor_slices((list(paths), list(labels)))
+    headers = [self._headers[path] for path in paths]
+    dataset = tf.data.Dataset.from_tensor_slices((
+        list(paths), list(labels), [header.orientation for header in headers],
+        [header.alpha for header in headers]))
     if shuffle_seed is not None:  # Only names are shuffled: a perfect shuffle costs no pixels.
       dataset = dataset.shuffle(len(files), seed=shuffle_seed)
     return dataset.map(
-        lambda path, label: {'image': decode(path, self._channels),
-                             'label': tf.cast(label, tf.int32)},
+        lambda path, label, orientation, alpha: {
+            'image': decode(path, self._channels, orientation, alpha),
+            'label': tf.cast(label, tf.int32)},
         num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)

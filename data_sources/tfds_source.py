@@ -10,21 +10,30 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from core import errors
+import data_sources
 from data_sources import base
 
 _DECODE_BLOCK = 100  # Images decoded per tf.data map call (one graph of this many decode ops).
 
 
+@data_sources.SOURCES.register('tfds')
 class TfdsSource(base.DataSource):
-  """A TFDS image-classification dataset with 'image' and 'label' features."""
+  """A TFDS image-classification dataset with 'image' and 'label' features.
+
+  `name` is a registered TFDS name ('mnist', 'cifar10', ...) or the name of a dataset prepared
+  in `data_dir` (default: $TFDS_DATA_DIR or ~/tensorflow_datasets).
+  """
+  can_stream = True
 
   def __init__(self, name: str, data_dir: str | None):
     super().__init__(name)
     self.builder = prepared_builder(name, data_dir)
     features = self.builder.info.features
     if 'image' not in features or 'label' not in features:
-      raise base.DataError(f'Dataset {name!r} has features {sorted(features)}; an image '
-                       "classification dataset with 'image' and 'label' features is needed.")
+      raise errors.DataError(f'Dataset {name!r} has features {sorted(features)}; an image '
+                             "classification dataset with 'image' and 'label' features is "
+                             'needed.', what=name)
 
   @property
   def image_shape(self) -> tuple[int, int, int]:
@@ -95,7 +104,15 @@ def prepared_builder(name: str, data_dir: str | None) -> tfds.core.DatasetBuilde
   neither prepared, nor there, nor downloadable, raises an error that says which files to put
   where, instead of retrying downloads for minutes.
   """
-  builder = tfds.builder(name, data_dir=data_dir)
+  try:
+    builder = tfds.builder(name, data_dir=data_dir)
+  except tfds.core.registered.DatasetNotFoundError as error:
+    raise errors.ConfigError(
+        f'Unknown dataset {name!r}: config.dataset must be a TFDS dataset name such as '
+        "'mnist', 'fashion_mnist', 'kmnist' or 'cifar10' (see tfds.list_builders()), or the name "
+        'of a dataset prepared in config.data_dir (now '
+        f'{data_dir or "TFDS default: $TFDS_DATA_DIR or ~/tensorflow_datasets"}).',
+        key='dataset', value=name) from error
   if builder.is_prepared():
     return builder
   manual_dir = os.path.join(builder.data_dir_root, 'downloads', 'manual')
@@ -104,13 +121,13 @@ def prepared_builder(name: str, data_dir: str | None) -> tfds.core.DatasetBuilde
   missing = [file for file in files if not os.path.exists(os.path.join(manual_dir, file))]
   hosts = {urllib.parse.urlparse(url).hostname for url in (builder.url_infos or {})}
   if missing and not all(_reachable(host) for host in hosts):
-    raise base.DataError(_missing_data_message(name, manual_dir, missing))
+    raise errors.DataError(_missing_data_message(name, manual_dir, missing), what=manual_dir)
   logging.info('Preparing %s in %s (manual dir %s).', name, builder.data_dir_root, manual_dir)
   try:
     builder.download_and_prepare()
   except Exception as error:  # TFDS raises many types; all mean the same thing to the user.
-    raise base.DataError(
-        f'{_missing_data_message(name, manual_dir, files)} (TFDS said: {error})') from error
+    raise errors.DataError(f'{_missing_data_message(name, manual_dir, files)} (TFDS said: '
+                           f'{error})', what=manual_dir) from error
   return builder
 
 

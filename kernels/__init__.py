@@ -16,6 +16,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
+from core import errors
 from kernels import cpu
 
 CPU_KERNELS = ('auto', 'off')
@@ -45,10 +46,11 @@ def select_layers(cpu_kernels: str, backend: str | None = None,
   compute in bfloat16 (their inputs and parameters are cast to it) and keep float32 parameters;
   the layers without parameters compute in the dtype of their inputs.
   """
-  if cpu_kernels not in CPU_KERNELS:
-    raise ValueError(f'Unknown cpu_kernels {cpu_kernels!r}: one of {CPU_KERNELS}.')
-  if compute_dtype not in COMPUTE_DTYPES:
-    raise ValueError(f'Unknown compute_dtype {compute_dtype!r}: one of {COMPUTE_DTYPES}.')
+  for key, value, valid in (('cpu_kernels', cpu_kernels, CPU_KERNELS),
+                            ('compute_dtype', compute_dtype, COMPUTE_DTYPES)):
+    if value not in valid:
+      raise errors.ConfigError(f'Unknown {key} {value!r}: config.{key} must be one of '
+                               f'{list(valid)}.', key=key, value=value)
   backend = backend or jax.default_backend()
   layers = CPU_LAYERS if cpu_kernels == 'auto' and backend == 'cpu' else STOCK_LAYERS
   if compute_dtype == 'float32':

@@ -1,8 +1,9 @@
 """Layers for XLA:CPU: the same functions as flax's stock layers, computed in fewer passes.
 
-Each class or function here stands in for one stock layer (`kernels.CPU_LAYERS`), takes that
-layer's arguments, supports the subset of its options named in its docstring and raises
-`ValueError` on any other, so a model built with them is the model built with the stock layers.
+Each class or function here stands in for one stock layer (`kernels.CPU_LAYERS`), takes all of
+that layer's arguments, computes the cases named in its docstring its own way and every other
+case as the stock layer does, so a model built with them is the model built with the stock
+layers, and may use any option of theirs.
 They are written for XLA:CPU, where each was measured (docs/performance.md); on GPU and TPU the
 stock layers map onto cuDNN and the TPU's convolution units, so `kernels.select_layers` only
 swaps these in on CPU.
@@ -16,11 +17,6 @@ from jax import lax
 import jax.numpy as jnp
 
 
-def _unsupported(layer: str, what: str) -> ValueError:
-  return ValueError(f'kernels.cpu.{layer} does not implement {what}; use the stock flax layer '
-                    "(config.cpu_kernels='off') for it.")
-
-
 class Conv(nnx.Conv):
   """`nnx.Conv` whose 2-D stride-1 'SAME' convolution runs as im2col matmuls in training.
 
@@ -31,49 +27,39 @@ class Conv(nnx.Conv):
   convolution, which needs no patches in memory. The price: the backward pass keeps the patches,
   kh * kw times the input's size (9x for a 3x3 kernel), until the gradient is computed.
 
-  Supports every `nnx.Conv` argument except: a kernel_size other than 2-D, strides other than 1,
-  padding other than 'SAME', input or kernel dilation, feature groups, `precision`,
-  `preferred_element_type` and a custom `conv_general_dilated`. `dtype` works as in the stock
-  layer, which casts the input and kernel to it before the convolution this class replaces.
+  Takes every `nnx.Conv` argument. Any other convolution (strides, dilation, feature groups,
+  other padding, 1-D or 3-D kernels, a `precision`) runs as the stock layer runs it, so a model
+  may use any convolution. `dtype` works as in the stock layer, which casts the input and kernel
+  to it before the convolution.
   """
 
-  def __init__(self, in_features: int, out_features: int, kernel_size: int | Sequence[int],
-               strides: int | Sequence[int] | None = 1, *, padding='SAME',
-               input_dilation: int | Sequence[int] | None = 1,
-               kernel_dilation: int | Sequence[int] | None = 1, feature_group_count: int = 1,
-               precision=None, preferred_element_type=None, **kwargs):
-    if isinstance(kernel_size, int) or len(kernel_size) != 2:
-      raise _unsupported('Conv', f'kernel_size={kernel_size!r} (only 2-D kernels, e.g. (3, 3))')
-    for name, value in (('strides', strides), ('input_dilation', input_dilation),
-                        ('kernel_dilation', kernel_dilation)):
-      if value not in (None, 1, (1, 1), [1, 1]):
-        raise _unsupported('Conv', f'{name}={value!r} (only 1)')
-    if padding != 'SAME':
-      raise _unsupported('Conv', f"padding={padding!r} (only 'SAME')")
-    for name, value, default in (('feature_group_count', feature_group_count, 1),
-                                 ('precision', precision, None),
-                                 ('preferred_element_type', preferred_element_type, None)):
-      if value != default:
-        raise _unsupported('Conv', f'{name}={value!r} (only {default})')
-    if 'conv_general_dilated' in kwargs:
-      raise _unsupported('Conv', 'a custom conv_general_dilated')
-    super().__init__(in_features, out_features, kernel_size, strides, padding=padding,
-                     input_dilation=input_dilation, kernel_dilation=kernel_dilation,
-                     conv_general_dilated=_conv_general_dilated, **kwargs)
+  def __init__(self, *args, **kwargs):
+    if 'conv_general_dilated' in kwargs:  # A convolution of the caller's own wins.
+      super().__init__(*args, **kwargs)
+    else:
+      super().__init__(*args, conv_general_dilated=_conv_general_dilated, **kwargs)
 
 
 _NHWC = lax.ConvDimensionNumbers((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2))
 
 
-def _conv_general_dilated(lhs, rhs, window_strides, padding, *, lhs_dilation, rhs_dilation,
-                          dimension_numbers, feature_group_count, precision, out_sharding=None):
-  """`conv_same` behind `nnx.Conv`'s `conv_general_dilated` hook; `Conv` checked the options."""
-  if ((tuple(window_strides), padding, tuple(lhs_dilation), tuple(rhs_dilation),
-       dimension_numbers, feature_group_count, precision, out_sharding)
-      != ((1, 1), 'SAME', (1, 1), (1, 1), _NHWC, 1, None, None)):
-    raise _unsupported('Conv', f'this convolution (strides {window_strides}, padding '
-                       f'{padding!r}, dimension numbers {dimension_numbers})')
-  return conv_same(lhs, rhs)
+def _conv_general_dilated(lhs, rhs, window_strides, padding, **options):
+  """`conv_same` behind `nnx.Conv`'s `conv_general_dilated` hook where it computes the same
+  convolution; `lax.conv_general_dilated` with the same arguments everywhere else."""
+  if _is_conv_same(window_strides, padding, options):
+    return conv_same(lhs, rhs)
+  return lax.conv_general_dilated(lhs, rhs, window_strides, padding, **options)
+
+
+def _is_conv_same(window_strides, padding, options: dict) -> bool:
+  """Whether these `lax.conv_general_dilated` arguments ask for `conv_same`'s convolution."""
+  undilated = all(tuple(options.get(name) or (1, 1)) == (1, 1)
+                  for name in ('lhs_dilation', 'rhs_dilation'))
+  defaults = all(options.get(name) is None
+                 for name in ('precision', 'preferred_element_type', 'out_sharding'))
+  return (tuple(window_strides) == (1, 1) and padding == 'SAME' and undilated and defaults
+          and options.get('dimension_numbers') == _NHWC
+          and options.get('feature_group_count', 1) == 1)
 
 
 def _patches(x: jax.Array, kernel_shape: tuple[int, ...]) -> jax.Array:
@@ -132,16 +118,14 @@ class Dropout(nnx.Dropout):
   backward pass, so the mask never goes through memory. Masks differ from the stock layer's;
   the keep rate, the scaling and the independence of elements are the same.
 
-  Supports every `nnx.Dropout` argument except `broadcast_dims`, and every call argument.
+  Takes every `nnx.Dropout` argument and call argument; with `broadcast_dims` (one mask shared
+  along some axes) it draws its mask as the stock layer does.
   """
-
-  def __init__(self, rate: float, *, broadcast_dims: Sequence[int] = (), **kwargs):
-    if tuple(broadcast_dims):
-      raise _unsupported('Dropout', f'broadcast_dims={broadcast_dims!r} (only ())')
-    super().__init__(rate, **kwargs)
 
   def __call__(self, inputs: jax.Array, *, deterministic: bool | None = None,
                rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None) -> jax.Array:
+    if tuple(self.broadcast_dims):
+      return super().__call__(inputs, deterministic=deterministic, rngs=rngs)
     deterministic = self.deterministic if deterministic is None else deterministic
     if deterministic or self.rate == 0.0:
       return inputs
@@ -164,24 +148,18 @@ class Dropout(nnx.Dropout):
 
 def avg_pool(inputs: jax.Array, window_shape: Sequence[int], strides: Sequence[int] | None = None,
              padding: str = 'VALID', count_include_pad: bool = True) -> jax.Array:
-  """`nnx.avg_pool` over non-overlapping 2-D windows, as a reshape and a mean.
+  """`nnx.avg_pool`, computed over non-overlapping 2-D windows as a reshape and a mean.
 
   XLA:CPU runs a reduce-window (and its gradient) as separate passes over the activations,
-  while a mean over reshaped axes fuses with the elementwise ops around it. Supports NHWC inputs
-  with 2-D windows equal to the strides and 'VALID' padding (trailing rows and columns that do
-  not fill a window are dropped, as the stock layer does); `count_include_pad` has no effect
-  without padding.
+  while a mean over reshaped axes fuses with the elementwise ops around it. That applies to NHWC
+  inputs with 2-D windows equal to the strides and 'VALID' padding (trailing rows and columns
+  that do not fill a window are dropped, as the stock layer does); any other pooling runs as
+  the stock function runs it.
   """
-  del count_include_pad  # 'VALID' pads nothing.
   window_shape = tuple(window_shape)
-  if len(window_shape) != 2 or inputs.ndim != 4:
-    raise _unsupported('avg_pool', f'window_shape={window_shape} on inputs of shape '
-                       f'{inputs.shape} (only 2-D windows on NHWC inputs)')
-  if strides is None or tuple(strides) != window_shape:
-    raise _unsupported('avg_pool', f'strides={strides} with window_shape={window_shape} '
-                       '(only strides equal to the window)')
-  if padding != 'VALID':
-    raise _unsupported('avg_pool', f"padding={padding!r} (only 'VALID')")
+  if (len(window_shape) != 2 or inputs.ndim != 4 or strides is None
+      or tuple(strides) != window_shape or padding != 'VALID'):
+    return nnx.avg_pool(inputs, window_shape, strides, padding, count_include_pad)
   (wh, ww), (n, h, w, c) = window_shape, inputs.shape
   x = inputs[:, :h // wh * wh, :w // ww * ww]
   return x.reshape(n, h // wh, wh, w // ww, ww, c).mean(axis=(2, 4))

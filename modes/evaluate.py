@@ -1,42 +1,90 @@
-"""Eval-only mode: scores the latest checkpoint of a workdir on the whole eval split."""
+"""Eval mode: scores a checkpoint on the whole eval split, with a report.
 
-import functools
+    python main.py --workdir=runs/mnist --mode=eval [--checkpoint=best] [--config.eval_split=...]
+
+Prints a short table and writes `<workdir>/eval_<split>_<step>.json` (every metric) and, with
+the per_class evaluator, `<workdir>/eval_<split>_<step>.csv` (class, support, precision, recall,
+F1); the scalars also go to TensorBoard under `<workdir>/eval_only`.
+"""
+
+import csv
+import json
 import os
+import re
 
-from absl import logging
 from clu import metric_writers
 import jax
 import ml_collections
 
-import data_sources
 import input_pipeline
-import train
-from training import checkpointing
+import modes
 from training import config_checks
+from training import evaluation
+from training import evaluators
 from training import parallel
 
 EVAL_DIR = 'eval_only'  # TensorBoard run (a subdirectory of the workdir) of eval-only results.
+_PRINTED_CLASSES = 20
+
+
+def report_path(workdir: str, split: str, step: int, extension: str) -> str:
+  """<workdir>/eval_<split>_<step>.<extension>, the split made a file name ('train_90_')."""
+  name = re.sub(r'[^A-Za-z0-9]+', '_', split).strip('_')
+  return os.path.join(workdir, f'eval_{name}_{step}.{extension}')
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
                         checkpoint: str = 'latest') -> dict[str, float]:
-  """Evaluates a checkpoint (--checkpoint) on `config.eval_split`; prints and writes the metrics."""
+  """Evaluates a checkpoint (--checkpoint) on `config.eval_split`; prints, writes a report."""
   config_checks.check_config(config)
   mesh = parallel.create_mesh()
   jax.set_mesh(mesh)  # As in training: the model is replicated, eval batches are sharded.
-  source = data_sources.open_source(config)
-  info = source.info(config)
-  model, step = checkpointing.load_model(config, workdir, info, checkpoint)
-  logging.info('Evaluating the checkpoint at step %d on %s %r.', step, config.dataset,
-               config.eval_split)
-  eval_batches = parallel.eval_batches(
-      functools.partial(input_pipeline.open_split, source, config=config), config.eval_split,
-      info.num_eval_examples, config, mesh)
-  metrics, _ = train.evaluate(model, eval_batches)
-  writer = metric_writers.create_default_writer(os.path.join(workdir, EVAL_DIR),
-                                                just_logging=jax.process_index() > 0)
-  writer.write_scalars(step, metrics)
-  writer.flush()
-  print(f'Checkpoint at step {step}, {config.dataset} {config.eval_split!r}: ' +
-        ' '.join(f'{name}={value:.4f}' for name, value in metrics.items()))
-  return metrics
+  info = modes.dataset_info(config, workdir)
+  model, step = modes.load_model(config, workdir, info, checkpoint)
+  data = input_pipeline.open_data(config)
+  print(f'Evaluating the checkpoint at step {step} on {data.info.name} {config.eval_split!r} '
+        f'({data.info.num_eval_examples} examples).', flush=True)
+  result = evaluation.Evaluation('eval', evaluators.create(config.evaluators), info,
+                                 data.info.num_eval_examples).run(
+      model, parallel.eval_batches(data, config.eval_split, data.info.num_eval_examples,
+                                   config, mesh))
+  if jax.process_index() == 0:
+    writer = metric_writers.SummaryWriter(os.path.join(workdir, EVAL_DIR))
+    writer.write_scalars(step, result.scalars)
+    if result.images:
+      writer.write_images(step, result.images)
+    writer.close()
+    _write_report(workdir, config.eval_split, step, checkpoint, result, info)
+  return result.scalars
+
+
+def _write_report(workdir: str, split: str, step: int, checkpoint: str,
+                  result: evaluation.Result, info) -> None:
+  """The JSON report, the per-class CSV and the printed table."""
+  path = report_path(workdir, split, step, 'json')
+  with open(path, 'w', encoding='utf-8') as file:
+    json.dump({'split': split, 'step': step, 'checkpoint': checkpoint,
+               'num_examples': result.num_examples, 'metrics': result.scalars,
+               'per_class': {column: values.tolist()
+                             for column, values in result.per_class.items()},
+               'class_names': list(info.class_names)}, file, indent=2)
+  print('\n'.join(f'  {name:<28} {value:.4f}' for name, value in result.scalars.items()))
+  written = [path]
+  if result.per_class:
+    csv_path = report_path(workdir, split, step, 'csv')
+    columns = ('support', 'precision', 'recall', 'f1')
+    rows = [(name, *(result.per_class[column][k] for column in columns))
+            for k, name in enumerate(info.class_names)]
+    with open(csv_path, 'w', newline='', encoding='utf-8') as file:
+      writer = csv.writer(file)
+      writer.writerow(('class', *columns))
+      writer.writerows((name, support, *(f'{value:.6f}' for value in scores))
+                       for name, support, *scores in rows)
+    width = max(len('class'), *(len(name) for name, *_ in rows[:_PRINTED_CLASSES]))
+    print(f'  {"class":<{width}}  support  precision  recall      f1')
+    for name, support, precision, recall, f1 in rows[:_PRINTED_CLASSES]:
+      print(f'  {name:<{width}}  {support:>7}  {precision:>9.4f}  {recall:>6.4f}  {f1:>6.4f}')
+    if len(rows) > _PRINTED_CLASSES:
+      print(f'  ({len(rows) - _PRINTED_CLASSES} more classes in the CSV)')
+    written.append(csv_path)
+  print(f'Report: {", ".join(written)}')

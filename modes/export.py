@@ -1,10 +1,13 @@
-"""Export for serving: the latest checkpoint's model, in eval mode, as a TF SavedModel.
+"""Export for serving: a checkpoint's model, in eval mode, with its preprocessing, as a TF
+SavedModel in `<workdir>/export`, which a user with TensorFlow alone can run.
 
 The model is converted with `jax2tf`; its weights (Params and BatchStats) become TF variables.
-Signatures, all taking float32 images in [0, 1] of shape (batch, height, width, channels),
-resized to the model's input size:
-  serving_default (and the `predict` function): logits (batch, num_classes);
-  classify: {'class': the predicted class names, 'probability': their softmax probabilities};
+In front of it, the deterministic part of `config.preprocess` (resize, then scale), the same TF
+ops that training and `--mode=predict` run. Signatures:
+  serving_default (and `predict`): `images`, uint8 (batch, height, width, channels) pixels 0-255
+    of any size (one size per call) -> `logits` (batch, num_classes);
+  classify: the same input -> {'class': the predicted class names, 'probability': their
+    softmax probabilities};
   class_names (no input): {'class_names': every class name, in label order}.
 """
 
@@ -12,13 +15,15 @@ import os
 
 from absl import logging
 from flax import nnx
+import jax
 from jax.experimental import jax2tf
 import ml_collections
 import numpy as np
 import tensorflow as tf
 
-from modes import predict as predict_mode
-from training import checkpointing
+import modes
+import preprocessing
+from training import config_checks
 
 EXPORT_DIR = 'export'
 
@@ -26,25 +31,33 @@ EXPORT_DIR = 'export'
 def export_saved_model(config: ml_collections.ConfigDict, workdir: str,
                        checkpoint: str = 'latest') -> str:
   """Writes a checkpoint's model (--checkpoint) to `<workdir>/export`; returns that path."""
-  info = predict_mode.checked_workdir_info(config, workdir)
-  model, step = checkpointing.load_model(config, workdir, info, checkpoint)
+  config_checks.check_config(config)
+  info = modes.dataset_info(config, workdir)
+  model, step = modes.load_model(config, workdir, info, checkpoint)
+  preprocess = preprocessing.parse(config.preprocess)
+  height, width, channels = info.image_shape
   graphdef, weights, rest = nnx.split(model, (nnx.Param, nnx.BatchStat), ...)
 
-  def predict(weights, images):
-    return nnx.merge(graphdef, nnx.State(weights), rest)(images)
+  def logits(weights, images):
+    return nnx.merge(graphdef, nnx.State(weights), rest)(images).astype(jax.numpy.float32)
 
   module = tf.Module()
   module.weights = tf.nest.map_structure(lambda x: tf.Variable(np.asarray(x), trainable=False),
                                          nnx.to_pure_dict(weights))
-  converted = jax2tf.convert(predict, polymorphic_shapes=[None, '(batch, ...)'],
+  converted = jax2tf.convert(logits, polymorphic_shapes=[None, '(batch, ...)'],
                              with_gradient=False)
-  images_spec = tf.TensorSpec((None, *info.image_shape), tf.float32, name='images')
-  module.predict = tf.function(lambda images: converted(module.weights, images), autograph=False,
-                               input_signature=[images_spec])
+  images_spec = tf.TensorSpec((None, None, None, channels), tf.uint8, name='images')
+
+  def predict(images):
+    resized = tf.ensure_shape(preprocess.resize(images, (height, width)),
+                              (None, height, width, channels))
+    return {'logits': converted(module.weights, preprocess.eval_batch(resized))}
+
+  module.predict = tf.function(predict, autograph=False, input_signature=[images_spec])
   names = tf.constant(info.class_names)
 
   def classify(images):
-    probabilities = tf.nn.softmax(module.predict(images))
+    probabilities = tf.nn.softmax(module.predict(images)['logits'])
     return {'class': tf.gather(names, tf.argmax(probabilities, axis=-1)),
             'probability': tf.reduce_max(probabilities, axis=-1)}
 
@@ -56,5 +69,8 @@ def export_saved_model(config: ml_collections.ConfigDict, workdir: str,
                                                 'classify': module.classify,
                                                 'class_names': module.class_names})
   logging.info('Exported the model of the checkpoint at step %d to %s.', step, path)
-  print(f'Exported the model of step {step} as a TF SavedModel to {path}')
+  print(f'Exported the model of step {step} as a TF SavedModel to {path}. It takes uint8 '
+        f'images (batch, height, width, {channels}), pixels 0-255, of any size, resized to '
+        f'{height}x{width} as in training (config.preprocess={config.preprocess!r}); '
+        "signatures: serving_default (logits), classify (class names), class_names.")
   return path

@@ -1,12 +1,13 @@
-"""Predict mode: classifies image files with the latest checkpoint, into a CSV of class names.
+"""Predict mode: classifies image files with a checkpoint, into a CSV of class names.
 
-    python main.py --config=configs/default.py --workdir=runs/mnist --mode=predict --inputs=PATH
+    python main.py --workdir=runs/mnist --mode=predict --inputs=PATH [--checkpoint=best]
 
 PATH is an image file, a directory (searched recursively) or a glob pattern. Every image is
-preprocessed as the training images were: decoded (a GIF's first frame), given the model's
+preprocessed as the eval images were: decoded as training decodes image folders (a GIF's first
+frame, EXIF orientation applied, transparency composited onto white), given the model's
 channels (a grayscale image is converted for a colour model; a colour image for a grayscale
-model is refused), resized to the model's input size and scaled to [0, 1]. Files that are not
-readable JPEG/PNG/BMP/GIF images are skipped with one warning. `<workdir>/predictions.csv`
+model is refused), resized and scaled by `config.preprocess`. Files that are not readable
+JPEG/PNG/BMP/GIF images are skipped with one warning naming them. `<workdir>/predictions.csv`
 gets one row per image: `file,class,probability` (the class name and its softmax probability).
 The class names and input shape come from the dataset info that training saved in the workdir,
 so the training data is not needed.
@@ -23,11 +24,10 @@ import ml_collections
 import numpy as np
 import tensorflow as tf
 
-import data_sources
-from data_sources import base
+from core import errors
 from data_sources import folder_source
-import input_pipeline
-from training import checkpointing
+import modes
+import preprocessing
 from training import config_checks
 
 PREDICTIONS_FILE = 'predictions.csv'
@@ -35,18 +35,10 @@ _PRINTED_ROWS = 10
 _NAMED_FILES = 3  # Files named in an error.
 
 
-def checked_workdir_info(config: ml_collections.ConfigDict, workdir: str) -> base.DatasetInfo:
-  """Checks `config` and returns the dataset info of `workdir` (from the data if none is saved)."""
-  saved = os.path.exists(os.path.join(workdir, data_sources.INFO_FILE))
-  config_checks.check_config(config, data_source=not saved)
-  return data_sources.workdir_info(config, workdir)
-
-
 def find_inputs(inputs: str) -> list[str]:
   """The files that `inputs` names: itself, the files under a directory, or a glob's matches."""
   if os.path.isdir(inputs):
-    return sorted(os.path.join(folder, file) for folder, subfolders, files in os.walk(inputs)
-                  for file in files if not file.startswith('.'))
+    return folder_source.find_files(inputs)
   if os.path.isfile(inputs):
     return [inputs]
   return sorted(path for path in glob.glob(inputs, recursive=True) if os.path.isfile(path))
@@ -54,44 +46,60 @@ def find_inputs(inputs: str) -> list[str]:
 
 @nnx.jit
 def _probabilities(model: nnx.Module, images: jax.Array) -> jax.Array:
-  return jax.nn.softmax(model(images))
+  return jax.nn.softmax(model(images).astype(jax.numpy.float32))
 
 
 def predict(config: ml_collections.ConfigDict, workdir: str, inputs: str | None,
             checkpoint: str = 'latest') -> str:
   """Writes the predicted class of each image under `inputs` to <workdir>/predictions.csv."""
   if not inputs:
-    raise config_checks.ConfigError(
+    raise errors.FlagError(
         '--mode=predict needs --inputs=PATH: an image file, a directory of images (searched '
-        'recursively) or a glob pattern such as "photos/*.jpg".')
-  info = checked_workdir_info(config, workdir)
+        'recursively) or a glob pattern such as "photos/*.jpg".', flag='inputs', value=inputs)
+  config_checks.check_config(config)
+  info = modes.dataset_info(config, workdir)
+  model, step = modes.load_model(config, workdir, info, checkpoint)
   headers, skipped = folder_source.read_headers(find_inputs(inputs))
-  folder_source.warn_skipped(skipped)
   if not headers:
     found = f' (only {len(skipped)} unreadable files)' if skipped else ''
-    raise config_checks.ConfigError(
+    raise errors.FlagError(
         f'No image under --inputs={inputs!r}{found}: pass an image file, a directory of '
-        f'{"/".join(folder_source.FORMATS)} images or a glob that matches some.')
+        f'{"/".join(folder_source.FORMATS)} images or a glob that matches some.',
+        flag='inputs', value=inputs)
   height, width, channels = info.image_shape
   colour = [header.path for header in headers if not header.gray]
   if channels == 1 and colour:
     named = ', '.join(colour[:_NAMED_FILES]) + (', ...' if len(colour) > _NAMED_FILES else '')
-    raise config_checks.ConfigError(
+    raise errors.FlagError(
         f'--inputs has {len(colour)} colour images ({named}) but the model takes grayscale '
-        'images: convert them to grayscale, or use a model trained on colour images.')
-  model, step = checkpointing.load_model(config, workdir, info, checkpoint)
+        'images: convert them to grayscale, or use a model trained on colour images.',
+        flag='inputs', value=inputs)
   logging.info('Predicting %d images with the checkpoint at step %d.', len(headers), step)
+  preprocess = preprocessing.parse(config.preprocess)
 
-  def preprocess(path: tf.Tensor) -> tf.Tensor:
-    image = input_pipeline.resize(folder_source.decode(path, channels), (height, width))
-    return tf.cast(tf.ensure_shape(image, info.image_shape), tf.float32) / 255.0
+  def prepared(path, orientation, alpha) -> dict[str, tf.Tensor]:
+    image = preprocess.resize(folder_source.decode(path, channels, orientation, alpha),
+                              (height, width))
+    return {'path': path, 'image': tf.ensure_shape(image, info.image_shape)}
 
-  paths = [header.path for header in headers]
-  batches = (tf.data.Dataset.from_tensor_slices(paths)
-             .map(preprocess, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-             .batch(config.eval_batch_size).prefetch(1))
-  probabilities = np.concatenate([np.asarray(_probabilities(model, images))
-                                  for images in batches.as_numpy_iterator()])
+  # A file that passes the header check but fails to decode is dropped, not fatal: the paths
+  # that come out say which.
+  batches = (tf.data.Dataset.from_tensor_slices((
+      [header.path for header in headers], [header.orientation for header in headers],
+      [header.alpha for header in headers]))
+             .map(prepared, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+             .ignore_errors()
+             .batch(config.eval_batch_size)
+             .map(lambda batch: {**batch, 'image': preprocess.eval_batch(batch['image'])})
+             .prefetch(1))
+  paths, probabilities = [], []
+  for batch in batches.as_numpy_iterator():
+    paths += [path.decode() for path in batch['path']]
+    probabilities.append(np.asarray(_probabilities(model, batch['image'])))
+  decoded = set(paths)
+  folder_source.warn_skipped(skipped + [header.path for header in headers
+                                        if header.path not in decoded])
+  probabilities = np.concatenate(probabilities) if probabilities else np.zeros((0, 1))
   rows = [(path, info.class_names[label], float(row[label]))
           for path, row, label in zip(paths, probabilities, probabilities.argmax(axis=1))]
   path = os.path.join(workdir, PREDICTIONS_FILE)

@@ -1,72 +1,106 @@
-"""Optax optimizers and learning-rate schedules, chosen by name in the config."""
+"""Optax optimizers and learning-rate schedules, chosen by name in the config.
 
-from collections.abc import Callable
+An optimizer is registered with `@OPTIMIZERS.register(name)`: a factory that takes the learning
+rate (a schedule) and its options (from `config.optimizer_options.<name>`) and returns an
+`optax.GradientTransformation`. A schedule is registered with `@SCHEDULES.register(name)`: a
+factory that takes the peak learning rate, the number of optimizer updates it spans and its
+options (`config.schedule_options.<name>`). Any schedule can start with a linear warm-up of
+`config.warmup_epochs`.
+"""
 
 import ml_collections
 import optax
 
+from core import registry
 
-def _constant(config: ml_collections.ConfigDict, num_steps: int, warmup_steps: int):
-  del num_steps, warmup_steps  # A constant rate needs neither.
-  return optax.constant_schedule(config.learning_rate)
-
-
-def _cosine(config: ml_collections.ConfigDict, num_steps: int, warmup_steps: int):
-  del warmup_steps
-  return optax.cosine_decay_schedule(config.learning_rate, decay_steps=num_steps)
-
-
-def _warmup_cosine(config: ml_collections.ConfigDict, num_steps: int, warmup_steps: int):
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=config.learning_rate, warmup_steps=warmup_steps,
-      decay_steps=num_steps, end_value=0.0)
+OPTIMIZERS = registry.Registry('optimizer', key='optimizer', app_args=1)  # (learning_rate)
+# (learning_rate, num_updates)
+SCHEDULES = registry.Registry('schedule', key='schedule', app_args=2)
+NONFINITE = ('halt', 'skip')
+# With config.nonfinite='skip': updates with NaN/Inf gradients skipped in a row before the
+# optimizer gives up and applies them (and the run then halts on the non-finite loss).
+MAX_SKIPPED_UPDATES = 10
 
 
-SCHEDULES: dict[str, Callable[..., optax.Schedule]] = {
-    'constant': _constant,
-    'cosine': _cosine,
-    'warmup_cosine': _warmup_cosine,
-}
+def _check_momentum(momentum: float) -> None:
+  if not 0 <= momentum < 1:
+    raise ValueError(f'momentum={momentum!r} must be in [0, 1) (0 = plain SGD)')
 
-OPTIMIZERS: dict[str, Callable[[optax.Schedule, ml_collections.ConfigDict],
-                               optax.GradientTransformation]] = {
-    'sgd': lambda lr, config: optax.sgd(lr, momentum=config.momentum or None),
-    # SGD with L2 weight decay added to the gradients, as torch.optim.SGD's weight_decay and the
-    # classic ResNet recipes apply it.
-    'sgd_l2': lambda lr, config: optax.chain(optax.add_decayed_weights(config.weight_decay),
-                                             optax.sgd(lr, momentum=config.momentum or None)),
-    'adam': lambda lr, config: optax.adam(lr),
-    'adamw': lambda lr, config: optax.adamw(lr, weight_decay=config.weight_decay),
-}
+
+@OPTIMIZERS.register('sgd')
+def sgd(learning_rate: optax.Schedule, *, momentum: float = 0.9,
+        nesterov: bool = False) -> optax.GradientTransformation:
+  """SGD with (heavy-ball or Nesterov) momentum; momentum 0 is plain SGD."""
+  _check_momentum(momentum)
+  return optax.sgd(learning_rate, momentum=momentum or None, nesterov=nesterov)
+
+
+@OPTIMIZERS.register('sgd_l2')
+def sgd_l2(learning_rate: optax.Schedule, *, momentum: float = 0.9,
+           weight_decay: float = 1e-4) -> optax.GradientTransformation:
+  """SGD with L2 weight decay added to the gradients, as torch.optim.SGD's weight_decay and the
+  classic ResNet recipes apply it."""
+  _check_momentum(momentum)
+  return optax.chain(optax.add_decayed_weights(weight_decay),
+                     optax.sgd(learning_rate, momentum=momentum or None))
+
+
+@OPTIMIZERS.register('adam')
+def adam(learning_rate: optax.Schedule, *, b1: float = 0.9,
+         b2: float = 0.999) -> optax.GradientTransformation:
+  return optax.adam(learning_rate, b1=b1, b2=b2)
+
+
+@OPTIMIZERS.register('adamw')
+def adamw(learning_rate: optax.Schedule, *, weight_decay: float = 1e-4, b1: float = 0.9,
+          b2: float = 0.999) -> optax.GradientTransformation:
+  """Adam with decoupled weight decay."""
+  return optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay)
+
+
+@SCHEDULES.register('constant')
+def constant(learning_rate: float, num_updates: int) -> optax.Schedule:
+  del num_updates  # A constant rate needs none.
+  return optax.constant_schedule(learning_rate)
+
+
+@SCHEDULES.register('cosine')
+def cosine(learning_rate: float, num_updates: int) -> optax.Schedule:
+  """From `learning_rate` down to 0 at the last update, along a half cosine."""
+  return optax.cosine_decay_schedule(learning_rate, decay_steps=max(num_updates, 1))
+
+
+def updates_per_epoch(config: ml_collections.ConfigDict, steps_per_epoch: int) -> float:
+  """Optimizer updates per epoch: one every `config.grad_accum_steps` training steps."""
+  return steps_per_epoch / config.grad_accum_steps
 
 
 def create_learning_rate_schedule(config: ml_collections.ConfigDict,
                                   steps_per_epoch: int) -> optax.Schedule:
-  """The schedule named by `config.schedule`, spanning the whole run, by optimizer update.
-
-  With gradient accumulation an update comes every `config.grad_accum_steps` training steps,
-  so an epoch has `steps_per_epoch / grad_accum_steps` of them.
-  """
-  updates_per_epoch = steps_per_epoch / config.grad_accum_steps
-  return SCHEDULES[config.schedule](
-      config, num_steps=int(config.num_epochs * updates_per_epoch),
-      warmup_steps=int(config.warmup_epochs * updates_per_epoch))
-
-
-def learning_rate_by_step(config: ml_collections.ConfigDict,
-                          schedule: optax.Schedule) -> optax.Schedule:
-  """The learning rate `schedule` gives at each (0-based) training step."""
-  return lambda step: schedule(step // config.grad_accum_steps)
+  """`config.schedule` over the whole run, after `config.warmup_epochs` of linear warm-up
+  from 0, by optimizer update."""
+  per_epoch = updates_per_epoch(config, steps_per_epoch)
+  num_updates = int(config.num_epochs * per_epoch)
+  warmup_updates = int(config.warmup_epochs * per_epoch)
+  schedule = SCHEDULES.create(config, config.learning_rate, num_updates - warmup_updates)
+  if not warmup_updates:
+    return schedule
+  return optax.join_schedules(
+      [optax.linear_schedule(0.0, config.learning_rate, warmup_updates), schedule],
+      [warmup_updates])
 
 
 def create_optimizer(config: ml_collections.ConfigDict,
                      schedule: optax.Schedule) -> optax.GradientTransformation:
-  """The optimizer named by `config.optimizer`, driven by `schedule`.
+  """`config.optimizer` driven by `schedule`.
 
   With `config.grad_accum_steps` > 1 it updates the parameters every that many steps, with the
-  mean of their gradients (`optax.MultiSteps`), and leaves them unchanged in between.
+  mean of their gradients (`optax.MultiSteps`). With `config.nonfinite='skip'`, an update whose
+  gradients are not finite is skipped (`optax.apply_if_finite`).
   """
-  optimizer = OPTIMIZERS[config.optimizer](schedule, config)
+  optimizer = OPTIMIZERS.create(config, schedule)
+  if config.nonfinite == 'skip':
+    optimizer = optax.apply_if_finite(optimizer, MAX_SKIPPED_UPDATES)
   if config.grad_accum_steps > 1:
     optimizer = optax.MultiSteps(optimizer, every_k_schedule=config.grad_accum_steps)
   return optimizer

@@ -17,8 +17,6 @@ the collectives hang:
     padding is masked out, so each example counts exactly once.
 """
 
-from collections.abc import Callable
-
 from absl import logging
 import jax
 from jax.experimental import multihost_utils
@@ -28,7 +26,7 @@ import ml_collections
 import numpy as np
 import tensorflow_datasets as tfds
 
-from data_sources import base
+from core import errors
 import input_pipeline
 
 
@@ -48,11 +46,12 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
   try:
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
   except (TypeError, ValueError) as error:
-    raise ValueError(
+    raise errors.FlagError(
         f'--coordinator_address={coordinator_address} --num_processes={num_processes} '
         f'--process_id={process_id} cannot start a multi-process run ({error}): pass HOST:PORT of '
         'process 0, the same --num_processes everywhere, and a distinct --process_id in '
-        '[0, num_processes) on each process.') from error
+        '[0, num_processes) on each process.', flag='process_id',
+        value=(coordinator_address, num_processes, process_id)) from error
 
 
 def create_mesh() -> jax.sharding.Mesh:
@@ -67,23 +66,20 @@ def create_mesh() -> jax.sharding.Mesh:
                        axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def shard(batch: input_pipeline.Batch, mesh: jax.sharding.Mesh, axis: int = 0):
-  """Global arrays from this process's share of a batch, split along `axis` over 'data'.
-
-  `axis` is the batch axis: 1 for stacked train chunks (K, B, ...), 0 for eval batches.
-  """
-  return jax.make_array_from_process_local_data(_batch_sharding(mesh, axis), batch)
+def shard(batch: input_pipeline.Batch, mesh: jax.sharding.Mesh):
+  """Global arrays from this process's share of a batch, split along its first axis."""
+  return jax.make_array_from_process_local_data(_batch_sharding(mesh), batch)
 
 
-def abstract_batch(shapes: dict[str, tuple[tuple[int, ...], np.dtype]], mesh: jax.sharding.Mesh,
-                   axis: int = 0) -> dict[str, jax.ShapeDtypeStruct]:
+def abstract_batch(shapes: dict[str, tuple[tuple[int, ...], np.dtype]],
+                   mesh: jax.sharding.Mesh) -> dict[str, jax.ShapeDtypeStruct]:
   """What `shard` makes of a batch with these global (shape, dtype)s, for compiling ahead."""
-  return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=_batch_sharding(mesh, axis))
+  return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=_batch_sharding(mesh))
           for name, (shape, dtype) in shapes.items()}
 
 
-def _batch_sharding(mesh: jax.sharding.Mesh, axis: int) -> NamedSharding:
-  return NamedSharding(mesh, P(*[None] * axis, 'data'))
+def _batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P('data'))
 
 
 def to_host(array: jax.Array) -> np.ndarray:
@@ -95,18 +91,17 @@ def process_split(split: str, drop_remainder: bool = False) -> tfds.typing.Split
   """This process's slice of `split`; the split itself in a single-process run.
 
   With `drop_remainder`, all slices have the same size (the remainder is dropped). Slices are
-  TFDS split objects, so several processes need the TFDS data source.
+  TFDS read instructions, which every data source resolves (TFDS's own, and the sources built
+  on `base.RangeSource`: image folders, Hugging Face, torchvision).
   """
   if jax.process_count() == 1:
     return split
   return tfds.split_for_jax_process(split, drop_remainder=drop_remainder)
 
 
-def process_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """A copy of `config` with `batch_size` set to this process's share of each global batch."""
-  local_config = config.copy_and_resolve_references()
-  local_config.batch_size = config.batch_size // jax.process_count()
-  return local_config
+def local_batch_size(global_batch_size: int) -> int:
+  """This process's share of each global batch."""
+  return global_batch_size // jax.process_count()
 
 
 def eval_batch_size(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> int:
@@ -114,10 +109,9 @@ def eval_batch_size(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) 
   return -(-config.eval_batch_size // mesh.size) * mesh.size
 
 
-def eval_batches(
-    load_split: Callable[[tfds.typing.SplitArg], base.Split | input_pipeline.Streamed],
-    split: str, num_examples: int, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
-) -> list[input_pipeline.Batch] | input_pipeline.StreamedBatches:
+def eval_batches(data: input_pipeline.Data, split: str, num_examples: int,
+                 config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
+                 ) -> list[input_pipeline.Batch] | input_pipeline.StreamedBatches:
   """The whole eval or test `split` as sharded, masked batches; each example counts once.
 
   Each process loads its slice (sizes differ by at most one) and pads it to as many batches as
@@ -129,10 +123,9 @@ def eval_batches(
   if global_batch != config.eval_batch_size:
     logging.info('Eval batch size %d rounded up to %d, a multiple of the %d devices.',
                  config.eval_batch_size, global_batch, mesh.size)
-  num_processes = jax.process_count()
-  local_batch = global_batch // num_processes
-  largest_slice = -(-num_examples // num_processes)
+  local_batch = local_batch_size(global_batch)
+  largest_slice = -(-num_examples // jax.process_count())
   num_batches = -(-largest_slice // local_batch)
-  split = load_split(process_split(split))
-  return input_pipeline.eval_batches(split, local_batch, num_batches,
-                                     place=lambda batch: shard(batch, mesh))
+  return input_pipeline.eval_batches(
+      input_pipeline.open_split(data, process_split(split), config), data.preprocess,
+      local_batch, num_batches, place=lambda batch: shard(batch, mesh))

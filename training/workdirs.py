@@ -1,31 +1,56 @@
-"""A training run's hold on its workdir: one live run at a time, and the config it resumes with.
+"""A run's workdir: one live training run at a time, the config it trained with, its data's info.
 
-  <workdir>/lock         pid, host and start time of the run that holds the workdir;
-  <workdir>/config.json  the config the checkpoints were trained with (flattened, dotted keys).
+  <workdir>/lock               pid, host and start time of the run that holds the workdir;
+  <workdir>/config.json        the config the checkpoints were trained with;
+  <workdir>/dataset_info.json  the data's metadata (image shape, class names), so that eval,
+                               predict and export know the model without reading the data.
 """
 
 import contextlib
+import dataclasses
 import datetime
 import fcntl
 import json
 import os
 import socket
+import tempfile
 
 from absl import logging
 import jax
 import ml_collections
 
-from training import config_checks
+from core import errors
+from data_sources import base
 
 LOCK_FILE = 'lock'
 CONFIG_FILE = 'config.json'
+INFO_FILE = 'dataset_info.json'
+_PROBE_BYTES = 1 << 20  # Written by the workdir check: a full disk fails it, an empty file not.
 # Changing these on resume would continue with another data order, or another shape of the
 # model or optimizer state, than the checkpoint's, so a resumed run refuses them. Any other key
 # may change (learning rate, epochs, logging, ...), with a warning. A key also covers its
 # sub-keys (model_options.cnn...).
-FIXED_ON_RESUME = ('data_source', 'dataset', 'train_split', 'batch_size', 'seed',
-                   'shuffle_buffer_size', 'input_backend', 'in_memory', 'image_size', 'model',
-                   'model_options', 'optimizer', 'grad_accum_steps', 'ema_decay')
+FIXED_ON_RESUME = ('data_source', 'dataset', 'data_source_options', 'train_split', 'batch_size',
+                   'seed', 'shuffle_buffer_size', 'input_backend', 'in_memory', 'preprocess',
+                   'model', 'model_options', 'optimizer', 'grad_accum_steps', 'ema_decay',
+                   'nonfinite')
+
+
+def check_writable(workdir: str) -> None:
+  """Creates `workdir` if needed and checks that it takes a file of `_PROBE_BYTES`."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise errors.FlagError(f'--workdir={workdir} is a file, not a directory: pass a directory '
+                           '(it is created if it does not exist).', flag='workdir', value=workdir)
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    with tempfile.TemporaryFile(dir=workdir) as probe:
+      probe.write(b'\0' * _PROBE_BYTES)
+      probe.flush()
+      os.fsync(probe.fileno())
+  except OSError as error:
+    raise errors.StorageError(f'Workdir {workdir!r} is not writable ({error.strerror}): free some '
+                              'space, fix its permissions, or pass a --workdir you can write to.',
+                              path=workdir, reason=error.strerror) from error
 
 
 @contextlib.contextmanager
@@ -37,7 +62,7 @@ def hold(workdir: str):
   Its file names the holder, for the message of a second run. With several processes, process
   0 holds it for all.
   """
-  config_checks.check_workdir(workdir)
+  check_writable(workdir)
   if jax.process_index() > 0:
     yield
     return
@@ -46,9 +71,10 @@ def hold(workdir: str):
     try:
       fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-      raise config_checks.ConfigError(
-          f'Workdir {workdir!r} is in use by another run ({_holder(lock)}): wait for it to end '
-          'or stop it, or pass another --workdir.') from None
+      holder = _holder(lock)
+      raise errors.WorkdirBusy(f'Workdir {workdir!r} is in use by another run ({holder}): wait '
+                               'for it to end or stop it, or pass another --workdir.',
+                               workdir=workdir, holder=holder) from None
     if previous := _holder(lock):
       logging.warning('Taking over the lock of workdir %s from a run that ended without '
                       'releasing it (%s).', workdir, previous)
@@ -73,15 +99,36 @@ def _holder(lock) -> str:
   return f'pid {holder["pid"]} on host {holder["host"]}, started {holder["started"]}'
 
 
-def _flat(config: ml_collections.ConfigDict) -> dict:
-  """{'model_options.cnn.dropout_rate': 0.025, ...}, as JSON stores it (tuples as lists)."""
-  def flatten(tree, prefix=''):
-    for key, value in tree.items():
-      if isinstance(value, dict):
-        yield from flatten(value, f'{prefix}{key}.')
-      else:
-        yield f'{prefix}{key}', value
-  return json.loads(json.dumps(dict(flatten(config.to_dict())), default=str))
+def _flat(tree: dict, prefix: str = '') -> dict:
+  """{'model_options.cnn.dropout_rate': 0.025, ...}."""
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(_flat(value, f'{prefix}{key}.'))
+    else:
+      flat[f'{prefix}{key}'] = value
+  return flat
+
+
+def _as_json(config: ml_collections.ConfigDict) -> dict:
+  """`config` as JSON stores it (tuples as lists)."""
+  return json.loads(config.to_json_best_effort())
+
+
+def _write_json(path: str, value) -> None:
+  """Writes `value` to `path` atomically: a reader sees the old or the new file."""
+  with open(path + '.tmp', 'w', encoding='utf-8') as file:
+    json.dump(value, file, indent=2, sort_keys=True)
+  os.replace(path + '.tmp', path)
+
+
+def saved_config(workdir: str) -> ml_collections.ConfigDict | None:
+  """The config `workdir`'s checkpoints were trained with, if saved."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding='utf-8') as file:
+    return ml_collections.ConfigDict(json.load(file))
 
 
 def check_resume_config(config: ml_collections.ConfigDict, workdir: str,
@@ -93,29 +140,47 @@ def check_resume_config(config: ml_collections.ConfigDict, workdir: str,
   Without a checkpoint there is nothing to resume, so any config starts afresh.
   """
   path = os.path.join(workdir, CONFIG_FILE)
-  new = _flat(config)
-  if has_checkpoint and os.path.exists(path):
-    with open(path, encoding='utf-8') as file:
-      old = json.load(file)
-    changed = sorted(key for key in old.keys() | new.keys() if old.get(key) != new.get(key))
+  new = _as_json(config)
+  old_config = saved_config(workdir) if has_checkpoint else None
+  if old_config is not None:
+    old, flat_new = _flat(_as_json(old_config)), _flat(new)
+    changed = sorted(key for key in old.keys() | flat_new.keys()
+                     if old.get(key) != flat_new.get(key))
     if fixed := [key for key in changed if key.split('.')[0] in FIXED_ON_RESUME]:
-      raise config_checks.ConfigError(
+      raise errors.ConfigError(
           f'Workdir {workdir!r} holds checkpoints trained with other values of '
-          f'{_listed(fixed, old, new)}; these change the data order or the model, so a resumed '
-          'run must keep them: rerun with the old values, or pass a new --workdir.')
+          f'{_listed(fixed, old, flat_new)}; these change the data order or the model, so a '
+          'resumed run must keep them: rerun with the old values, or pass a new --workdir.',
+          key=fixed[0], value=flat_new.get(fixed[0]))
     if not changed:
       return
     logging.warning('Resuming %s with a changed config: %s.', workdir,
-                    _listed(changed, old, new))
+                    _listed(changed, old, flat_new))
     if jax.process_index() == 0:
       stamp = datetime.datetime.now().strftime('%Y%m%dT%H%M%S')
       os.replace(path, os.path.join(workdir, f'config.{stamp}.json'))
   if jax.process_index() == 0:
-    with open(path, 'w', encoding='utf-8') as file:
-      json.dump(new, file, indent=2, sort_keys=True)
+    _write_json(path, new)
 
 
 def _listed(keys: list[str], old: dict, new: dict) -> str:
   missing = '(unset)'
   return ', '.join(f'config.{key} ({old.get(key, missing)!r} -> {new.get(key, missing)!r})'
                    for key in keys)
+
+
+def save_info(workdir: str, info: base.DatasetInfo) -> None:
+  """Writes `info` to <workdir>/INFO_FILE (process 0 only)."""
+  if jax.process_index() == 0:
+    _write_json(os.path.join(workdir, INFO_FILE), dataclasses.asdict(info))
+
+
+def saved_info(workdir: str) -> base.DatasetInfo | None:
+  """The info that training saved in `workdir`, if any."""
+  path = os.path.join(workdir, INFO_FILE)
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding='utf-8') as file:
+    saved = json.load(file)
+  return base.DatasetInfo(**{**saved, 'image_shape': tuple(saved['image_shape']),
+                             'class_names': tuple(saved['class_names'])})

@@ -1,0 +1,1 @@
+"""The application's framework: plug-in registries, typed user errors, command line, runtime."""

@@ -1,0 +1,202 @@
+"""Plug-ins by name, registered where they are defined, built from their own config section.
+
+In the manner of big_vision's `Registry`: each kind of plug-in (models, data sources,
+preprocessing ops, losses, optimizers, schedules, evaluators) has one `Registry`, and a plug-in
+joins it with a decorator on its class or factory function:
+
+    @MODELS.register('cnn')
+    class CNN(nnx.Module):
+      def __init__(self, image_shape, num_classes, *, layers, rngs, dropout_rate=0.025): ...
+
+The config names the plug-in (`config.model = 'cnn'`) and holds its options in its own section
+(`config.model_options.cnn.dropout_rate`), passed as keyword arguments. The signature is the
+schema: an option the plug-in does not take is refused before anything runs, and the plug-in
+checks its values itself (a `ValueError` it raises becomes a `ConfigError` naming the option).
+Capabilities are declared at registration (`@SOURCES.register('folder', can_stream=True)`) and
+read with `capability`; `requires='package'` names an optional package the plug-in needs.
+
+Plug-ins chosen several at a time (preprocessing ops, evaluators) are written as calls joined
+by '|' instead, e.g. 'resize(32)|flip_lr', their options as Python-literal arguments
+(`create_calls`).
+
+A registry whose plug-ins live in a package (`package='data_sources'`) imports every module of
+it on first use, so a new plug-in is one new file there. Plug-ins outside the repository are
+registered by importing their module, e.g. from the config file.
+"""
+
+import ast
+from collections.abc import Callable
+import dataclasses
+import importlib
+import inspect
+import pkgutil
+from typing import Any
+
+import ml_collections
+
+from core import errors
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """A registered plug-in: its class or factory and the capabilities it declared."""
+  factory: Callable[..., Any]
+  capabilities: dict[str, Any]
+
+
+class Registry:
+  """The plug-ins of one kind, by name."""
+
+  def __init__(self, kind: str, key: str | None = None, package: str | None = None,
+               app_args: int = 0):
+    """`kind` names the plug-ins in messages ('model'); `key` is the config key that names the
+    chosen one (options in `<key>_options.<name>`); `package` holds their modules; `app_args`
+    is the number of positional arguments the app passes before the options."""
+    self.kind = kind
+    self.key = key
+    self.app_args = app_args
+    self._package = package
+    self._entries: dict[str, Entry] = {}
+    self._imported = package is None
+
+  def register(self, name: str, **capabilities: Any) -> Callable:
+    """A decorator that registers a class or factory under `name`, with `capabilities`."""
+    def decorator(factory):
+      self._entries[name] = Entry(factory, capabilities)
+      return factory
+    return decorator
+
+  def _import_package(self) -> None:
+    if self._imported:
+      return
+    package = importlib.import_module(self._package)
+    for module in pkgutil.iter_modules(package.__path__):
+      importlib.import_module(f'{self._package}.{module.name}')
+    self._imported = True
+
+  def names(self) -> list[str]:
+    self._import_package()
+    return sorted(self._entries)
+
+  def entry(self, name: str, key: str | None = None) -> Entry:
+    """The plug-in `name`; a `ConfigError` listing the valid names if there is none.
+
+    An optional package it `requires` is imported here: a `MissingPackage` error if absent.
+    """
+    self._import_package()
+    key = key or self.key
+    if name not in self._entries:
+      raise errors.ConfigError(
+          f'Unknown {self.kind} {name!r}: config.{key} must be one of {self.names()}.',
+          key=key, value=name)
+    entry = self._entries[name]
+    if package := entry.capabilities.get('requires'):
+      try:
+        importlib.import_module(package)
+      except ImportError as error:
+        raise errors.MissingPackage(
+            f'config.{key}={name!r} needs the {package!r} package, which is not installed: '
+            f'pip install -r requirements-extras.txt (or pip install {package}).',
+            key=key, value=name, package=package) from error
+    return entry
+
+  def capability(self, name: str, capability: str, default: Any = None) -> Any:
+    return self.entry(name).capabilities.get(capability, default)
+
+  def options(self, config: ml_collections.ConfigDict, name: str | None = None) -> dict:
+    """The options of the chosen plug-in (or `name`) from `config.<key>_options.<name>`."""
+    name = name or config[self.key]
+    section = config.get(f'{self.key}_options', {}).get(name)
+    return section.to_dict() if isinstance(section, ml_collections.ConfigDict) else {}
+
+  def check(self, config: ml_collections.ConfigDict) -> None:
+    """Checks the plug-in that `config` chooses and the names of its options in its section."""
+    name = config[self.key]
+    self.entry(name)
+    self._check_options(name, self.options(config, name), f'{self.key}_options.{name}')
+
+  def _check_options(self, name: str, options: dict, section: str) -> None:
+    """Refuses options that `name`'s signature does not take as keywords (its first `app_args`
+    parameters are the app's, never options); `section` is the config path in the error."""
+    factory = self.entry(name).factory
+    if inspect.isclass(factory):  # Its own signature: some metaclasses (nnx's) hide it.
+      parameters = list(inspect.signature(factory.__init__).parameters.values())[1:]
+    else:
+      parameters = list(inspect.signature(factory).parameters.values())
+    parameters = parameters[self.app_args:]
+    if any(parameter.kind == parameter.VAR_KEYWORD for parameter in parameters):
+      return
+    accepted = [parameter.name for parameter in parameters
+                if parameter.kind in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD)
+                and parameter.name not in ('layers', 'rngs')]
+    for option in options:
+      if option not in accepted:
+        raise errors.ConfigError(
+            f'config.{section}.{option} is not an option of {self.kind} {name!r}; its options: '
+            f'{", ".join(accepted) or "none"}.', key=f'{section}.{option}', value=options[option])
+
+  def create(self, config: ml_collections.ConfigDict, *args: Any, name: str | None = None,
+             **kwargs: Any) -> Any:
+    """Builds the chosen plug-in (or `name`) with `args`, `kwargs` and its config options.
+
+    A `ValueError` that the plug-in raises while it has options from the config is taken as its
+    verdict on them: a `ConfigError` naming the config section.
+    """
+    name = name or config[self.key]
+    options = self.options(config, name)
+    section = f'{self.key}_options.{name}'
+    self._check_options(name, options, section)
+    try:
+      return self.entry(name).factory(*args, **kwargs, **options)
+    except ValueError as error:
+      if not options:
+        raise
+      raise errors.ConfigError(f'config.{section} = {options} is invalid for {self.kind} '
+                               f'{name!r}: {error}.', key=section, value=options) from error
+
+  def create_calls(self, spec: str, key: str, **kwargs: Any) -> list[tuple[str, Entry, Any]]:
+    """Builds every call of `spec`, such as 'flip_lr|random_crop(32, pad=4)', with its
+    arguments and `kwargs`: [(the call's text, its entry, the plug-in)], in order.
+
+    A `ConfigError` naming config.`key`, the call at fault and the valid names otherwise.
+    """
+    def invalid(reason: str) -> errors.ConfigError:
+      return errors.ConfigError(f'config.{key}={spec!r} is invalid: {reason} ({self.kind}s: '
+                                f'{", ".join(self.names())}).', key=key, value=spec)
+
+    try:
+      calls = _parse_calls(spec)
+    except ValueError as error:
+      raise invalid(str(error)) from None
+    built = []
+    for text, name, args, call_kwargs in calls:
+      if name not in self.names():
+        raise invalid(f'unknown {self.kind} {name!r}')
+      entry = self.entry(name, key)
+      try:
+        built.append((text, entry, entry.factory(*args, **call_kwargs, **kwargs)))
+      except (TypeError, ValueError) as error:
+        raise invalid(f'bad arguments for {text!r}: {error}') from None
+    return built
+
+
+def _parse_calls(spec: str) -> list[tuple[str, str, list, dict]]:
+  """[(text, name, args, kwargs)] of 'flip_lr|random_crop(32, pad=4)': one per '|' part.
+
+  Raises ValueError naming the part that is not a name or a call with literal arguments.
+  """
+  calls = []
+  for text in filter(None, (part.strip() for part in spec.split('|'))):
+    try:
+      node = ast.parse(text, mode='eval').body
+      if isinstance(node, ast.Name):
+        calls.append((text, node.id, [], {}))
+        continue
+      if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+        raise SyntaxError(text)
+      calls.append((text, node.func.id, [ast.literal_eval(arg) for arg in node.args],
+                    {keyword.arg: ast.literal_eval(keyword.value) for keyword in node.keywords}))
+    except (SyntaxError, ValueError):
+      raise ValueError(f'{text!r} is not a name or a call with literal arguments, such as '
+                       'flip_lr or random_crop(32, pad=4)') from None
+  return calls

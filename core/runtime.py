@@ -1,0 +1,171 @@
+"""The process: start-up order and tuning, quiet logs, and the signals that stop a run.
+
+Import this module first, before TensorFlow: TensorFlow >= 2.20 loads its bundled LLVM with
+RTLD_GLOBAL, so a later load of triton's own LLVM (torchvision pulls triton in through torch)
+crashes the process with a segfault (tensorflow/tensorflow#124205). Loaded the other way round,
+both work, so triton, when installed, is imported here first.
+
+`start` tunes malloc for XLA:CPU and quiets the libraries' start-up notices; `StopSignals`
+turns SIGTERM, SIGINT and SIGUSR1 (SLURM's warning before preemption or the time limit) into a
+request to save a checkpoint and stop, agreed by every process of a multi-process run through
+JAX's preemption sync (Orbax's `reached_preemption`).
+"""
+
+import ctypes
+import importlib.metadata
+import importlib.util
+import logging as python_logging
+import os
+import signal
+import sys
+import warnings
+
+try:
+  import triton  # pylint: disable=unused-import
+except ImportError:  # No torch stack installed (or not on Linux): nothing to order.
+  pass
+
+# mallopt parameters, from glibc's <malloc.h>.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# Libraries whose INFO lines, through absl's logging, are shown: clu's parameter overview.
+_SHOWN_LIBRARIES = (f'{os.sep}clu{os.sep}',)
+
+
+def start(verbose: bool = False) -> bool:
+  """Sets the process up before TensorFlow and JAX start; returns whether malloc was tuned.
+
+  Unless `verbose`, TensorFlow's and XLA's C++ start-up notices (oneDNN, CPU features, TPU
+  probing) and TFDS's progress bars are hidden: only the app's own lines and real warnings.
+  """
+  if not verbose:
+    os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+    os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')  # Its notice; XLA runs the model.
+    warnings.filterwarnings('ignore', category=DeprecationWarning)
+  return tune_malloc_for_cpu()
+
+
+def quiet_libraries(verbose: bool = False) -> None:
+  """Keeps the libraries' own Python INFO lines out of the log unless `verbose`."""
+  if verbose:
+    return
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (after start)
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  tfds.disable_progress_bar()
+  logging.get_absl_handler().addFilter(_app_or_warning)
+  python_logging.getLogger('tensorflow').setLevel(python_logging.WARNING)
+
+
+def _app_or_warning(record: python_logging.LogRecord) -> bool:
+  """A logging filter: the app's own lines, and the libraries' warnings and errors."""
+  library = f'{os.sep}site-packages{os.sep}' in record.pathname
+  return (record.levelno >= python_logging.WARNING or not library
+          or any(name in record.pathname for name in _SHOWN_LIBRARIES))
+
+
+def jax_will_run_on_cpu() -> bool:
+  """Whether JAX's default backend will be XLA:CPU, judged without starting JAX.
+
+  Asking JAX (`jax.default_backend()`) starts its runtime and threads, too late for
+  `tune_malloc_for_cpu`. JAX runs on the CPU when $JAX_PLATFORMS names cpu first, or when no
+  accelerator plugin (CUDA, ROCm, TPU) is installed.
+  """
+  if platforms := os.environ.get('JAX_PLATFORMS'):
+    return platforms.split(',')[0].strip().lower() == 'cpu'
+  return not (importlib.metadata.entry_points(group='jax_plugins')
+              or importlib.util.find_spec('jax_plugins')
+              or importlib.util.find_spec('libtpu'))
+
+
+def tune_malloc_for_cpu() -> bool:
+  """`keep_freed_memory()` when JAX will run on the CPU; returns whether malloc was tuned.
+
+  Call it first thing in the process, before TensorFlow or JAX start threads (each thread that
+  allocated before keeps its own arena, and the setting then gains little).
+  """
+  return jax_will_run_on_cpu() and keep_freed_memory()
+
+
+def keep_freed_memory() -> bool:
+  """Sets glibc's malloc to keep and reuse freed memory; returns whether it could.
+
+  XLA:CPU allocates an executable's scratch memory on every call and frees it after. glibc
+  serves a block that large with a fresh `mmap` and returns it with `munmap`, so every train
+  step faults in thousands of zeroed pages again. One malloc arena for all threads, no `mmap`
+  and no trimming keep that memory mapped and reused. Python's own allocations are unaffected.
+  Measured on XLA:CPU only (docs/performance.md), hence `tune_malloc_for_cpu`. Does nothing
+  where libc is not glibc.
+  """
+  if not sys.platform.startswith('linux'):
+    return False
+  try:
+    libc = ctypes.CDLL('libc.so.6')
+    libc.gnu_get_libc_version  # pylint: disable=pointless-statement  # glibc only.
+  except (OSError, AttributeError):
+    return False
+  return all(libc.mallopt(param, value) == 1 for param, value in (
+      (_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1)))
+
+
+class Interrupted(Exception):
+  """A stop signal ended training after a checkpoint was saved; `signum` is the signal."""
+
+  def __init__(self, signum: int, step: int, directory: str):
+    super().__init__(f'Received {signal.Signals(signum).name}: saved a checkpoint at step {step} '
+                     f'in {directory} and stopped. Rerun the same command to resume.')
+    self.signum, self.step = signum, step
+
+
+class StopSignals:
+  """While active (a `with` block), a stop signal asks the run to save and stop.
+
+  One process: SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 are caught here; a second SIGTERM or SIGINT
+  stops the process at once. Several processes: JAX's runtime catches SIGTERM on any process
+  and its preemption sync lets all agree on the step to stop at; a SIGUSR1 is passed on to JAX
+  as a SIGTERM, and SIGINT keeps its default (a save by one process alone would wait forever
+  for the others).
+  """
+
+  def __init__(self, num_processes: int):
+    self._num_processes = num_processes
+    self.received: int | None = None  # The stop signal received, if any.
+    self._handlers = {}
+
+  def __enter__(self) -> 'StopSignals':
+    caught = STOP_SIGNALS if self._num_processes == 1 else (signal.SIGUSR1,)
+    self._handlers = {signum: signal.signal(signum, self._on_signal) for signum in caught}
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self._restore()
+
+  def _restore(self) -> None:
+    for signum, handler in self._handlers.items():
+      signal.signal(signum, handler)
+    self._handlers = {}
+
+  def _on_signal(self, signum, frame) -> None:
+    del frame
+    self.received = signum
+    if self._num_processes > 1:  # JAX's preemption notifier listens to SIGTERM.
+      os.kill(os.getpid(), signal.SIGTERM)
+      return
+    python_logging.getLogger('absl').warning(
+        'Received %s: saving a checkpoint after the current step, then stopping (send it again '
+        'to stop at once).', signal.Signals(signum).name)
+    self._restore()
+    if signum == signal.SIGUSR1:  # A second SIGUSR1 must not kill the process.
+      signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+  def reached(self, step: int) -> bool:
+    """Whether the run must save at `step` and stop: a signal here, or, with several
+    processes, the step all of them agreed on after one received SIGTERM."""
+    if self._num_processes == 1:
+      return self.received is not None
+    from orbax.checkpoint import multihost  # pylint: disable=g-import-not-at-top  (after start)
+    if multihost.reached_preemption(step):
+      self.received = self.received or signal.SIGTERM
+      return True
+    return False

@@ -1,0 +1,35 @@
+"""The modes besides training: eval, export and predict, each on a trained workdir.
+
+Each reads the config and the dataset info that training saved in the workdir, so it needs only
+`--workdir` (and `--config.<key>=<value>` for what it changes, such as the eval split), and
+builds the model of a checkpoint (`--checkpoint=latest|best|STEP`) exactly as training did.
+"""
+
+from flax import nnx
+import ml_collections
+
+import input_pipeline
+from data_sources import base
+from training import checkpointing
+from training import config_checks
+from training import state as state_lib
+from training import workdirs
+
+
+def dataset_info(config: ml_collections.ConfigDict, workdir: str) -> base.DatasetInfo:
+  """The data's info saved in `workdir` by training, or (an older workdir) the data's own."""
+  return workdirs.saved_info(workdir) or input_pipeline.open_data(config).info
+
+
+def load_model(config: ml_collections.ConfigDict, workdir: str, info: base.DatasetInfo,
+               checkpoint: str = 'latest') -> tuple[nnx.Module, int]:
+  """The model of a checkpoint in `workdir`, in eval mode, with the EMA weights when the run
+  averaged them; and the checkpoint's step. A `CheckpointError` if there is no such one."""
+  checkpoints = checkpointing.Checkpoints(workdir, config.best_metric,
+                                          config_checks.check_best_metric(config))
+  state = state_lib.create(config, info, steps_per_epoch=1)  # The structure only.
+  step = checkpoints.restore(state, checkpoint)
+  checkpoints.close()
+  model = state.eval_model()
+  model.eval()
+  return model, step

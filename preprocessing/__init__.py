@@ -1,0 +1,141 @@
+"""The preprocessing language: one description of how images reach the model, for every mode.
+
+`config.preprocess` is a string of ops joined by '|', each a name with optional Python-literal
+arguments, in the style of big_vision's preprocessing strings:
+
+    'resize(32, method="crop")|random_crop(32, pad=4)|flip_lr|normalize((0.5,), (0.25,))'
+
+Every image is decoded to uint8, then goes through the ops in three stages, in this order:
+  1. `image` ops, one image at a time, deterministic: `resize` gives images of any size one size;
+  2. `random` ops, on float32 batches in [0, 1], training only: the augmentation;
+  3. at most one `scale` op, on float32 batches, deterministic: `normalize` or `value_range`
+     (without one, pixels stay in [0, 1]).
+Training applies all three; eval, predict and the exported model apply stages 1 and 3, so that
+every mode sees the images training saw. Random ops draw from TensorFlow's stateless random
+ops seeded per batch by the input pipeline from (config.seed, epoch, batch number), so the same
+seed gives the same batches and a resumed run continues with the draws of the uninterrupted one.
+
+Ops are registered in the modules of this package with `@OPS.register(name, stage=...)`; a new op
+is one function in one file here.
+"""
+
+from collections.abc import Callable
+import dataclasses
+
+import tensorflow as tf
+
+from core import errors
+from core import registry
+
+OPS = registry.Registry('preprocessing op', package='preprocessing')
+STAGES = ('image', 'random', 'scale')
+_KEY = 'preprocess'
+_PROBE_SIZE = 8  # Height and width of the blank image that finds the output shape of `image` ops.
+
+ImageOp = Callable[[tf.Tensor], tf.Tensor]  # uint8 image(s) (..., H, W, C) -> uint8 image(s)
+RandomOp = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]  # (float32 batch, seed [2]) -> batch
+ScaleOp = Callable[[tf.Tensor], tf.Tensor]  # float32 batch in [0, 1] -> float32 batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Preprocessing:
+  """A parsed `config.preprocess`: its ops by stage."""
+  spec: str
+  image_ops: tuple[ImageOp, ...] = ()
+  random_ops: tuple[RandomOp, ...] = ()
+  scale_op: ScaleOp | None = None
+
+  def resize(self, images: tf.Tensor, size: tuple[int, int] | None = None) -> tf.Tensor:
+    """Stage 1 on one uint8 image (H, W, C) or a batch of images of one size.
+
+    Without resize ops every training image had the model's size; given that `size`, images of
+    other sizes (to predict or serve) are stretched to it, as `resize(size)` would.
+    """
+    if not self.image_ops and size is not None:
+      from preprocessing import resize as resize_ops  # pylint: disable=g-import-not-at-top
+      return resize_ops.resize_images(images, size)
+    for op in self.image_ops:
+      images = op(images)
+    return images
+
+  def augment(self, images: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
+    """Stage 2 on a float32 batch in [0, 1]: each op with its own seed split from `seed`."""
+    if not self.random_ops:
+      return images
+    seeds = tf.unstack(tf.random.experimental.stateless_split(seed, len(self.random_ops)))
+    for op, op_seed in zip(self.random_ops, seeds):
+      images = op(images, op_seed)
+    return images
+
+  def scale(self, images: tf.Tensor) -> tf.Tensor:
+    """uint8 -> float32 in [0, 1], then stage 3."""
+    return self._scale_op(tf.cast(images, tf.float32) / 255.0)
+
+  def _scale_op(self, images: tf.Tensor) -> tf.Tensor:
+    return images if self.scale_op is None else self.scale_op(images)
+
+  def train_batch(self, images: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
+    """A batch of resized uint8 images as the model trains on it: stages 2 and 3."""
+    return self._scale_op(self.augment(tf.cast(images, tf.float32) / 255.0, seed))
+
+  def eval_batch(self, images: tf.Tensor) -> tf.Tensor:
+    """A batch of resized uint8 images as the model is evaluated on it: stage 3."""
+    return self.scale(images)
+
+  def image_shape(self, source_shape: tuple[int | None, int | None, int],
+                  dataset: str) -> tuple[int, int, int]:
+    """The model's input shape for images of `source_shape` (height/width None: varying).
+
+    Checks that the random ops keep that shape. A `DataError` when sizes vary and no op
+    resizes them; a `ConfigError` when a random op changes the size.
+    """
+    height, width, channels = source_shape
+    probe = tf.zeros((height or _PROBE_SIZE, width or _PROBE_SIZE, channels), tf.uint8)
+    resized = self.resize(probe)
+    if (height is None or width is None) and not self.image_ops:
+      raise errors.DataError(
+          f'The images of {dataset} vary in size: add a resize to config.preprocess, e.g. '
+          f"--config.preprocess='resize(64)' for 64x64 (or 'resize(64, method=\"crop\")').",
+          what=dataset)
+    shape = tuple(resized.shape)
+    try:
+      augmented = tuple(self.augment(tf.zeros((1, *shape)), tf.constant([0, 0])).shape[1:])
+    except ValueError as error:
+      raise errors.ConfigError(f'config.preprocess={self.spec!r} does not fit {shape[0]}x'
+                               f'{shape[1]} images: {error}.', key=_KEY, value=self.spec) from None
+    scaled = tuple(self.scale(tf.zeros((1, *shape), tf.uint8)).shape[1:])
+    if scaled != shape:
+      raise errors.ConfigError(
+          f'config.preprocess={self.spec!r} scales {channels}-channel images into {scaled[-1]}'
+          f'-channel ones: give its normalize or value_range one value per channel.',
+          key=_KEY, value=self.spec)
+    if augmented != shape:
+      raise errors.ConfigError(
+          f'config.preprocess={self.spec!r} turns {shape[0]}x{shape[1]} images into '
+          f'{augmented[0]}x{augmented[1]} ones in its random ops, but training and eval images '
+          f'must have one size: crop to {shape[0]}, or resize first.',
+          key=_KEY, value=self.spec)
+    return shape
+
+
+def parse(spec: str) -> Preprocessing:
+  """The `Preprocessing` of `spec`; a `ConfigError` naming the op at fault and the valid ones."""
+  ops = {stage: [] for stage in STAGES}
+  last_stage = 0
+  for text, entry, op in OPS.create_calls(spec, _KEY):
+    stage = STAGES.index(entry.capabilities['stage'])
+    if stage < last_stage or (stage == last_stage == STAGES.index('scale')):
+      raise errors.ConfigError(
+          f'config.preprocess={spec!r} is invalid: {text!r} comes too late (resize ops come '
+          'first, then random ops, then at most one scale op: normalize or value_range).',
+          key=_KEY, value=spec)
+    last_stage = stage
+    ops[STAGES[stage]].append(op)
+  return Preprocessing(spec, image_ops=tuple(ops['image']), random_ops=tuple(ops['random']),
+                       scale_op=ops['scale'][0] if ops['scale'] else None)
+
+
+def check_int(name: str, value, minimum: int) -> None:
+  """Raises ValueError unless `value` is an integer >= `minimum` (an op's argument check)."""
+  if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    raise ValueError(f'{name}={value!r} must be an integer >= {minimum}')

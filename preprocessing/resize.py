@@ -1,0 +1,46 @@
+"""Stage 1 ops: images of any size to one size, deterministic, one image (or batch) at a time."""
+
+import tensorflow as tf
+
+import preprocessing
+
+METHODS = ('stretch', 'crop', 'pad')
+
+
+def resize_images(images: tf.Tensor, size: tuple[int, int]) -> tf.Tensor:
+  """uint8 images (..., height, width, channels) resized to `size` (height, width), as uint8.
+
+  Antialiased bilinear, so shrinking does not alias; rounded back to uint8, so a resized split
+  takes no more memory than the source's, and in-memory, streamed, predicted and exported
+  pixels agree.
+  """
+  if tuple(images.shape[-3:-1]) == tuple(size):
+    return images
+  resized = tf.image.resize(images, size, antialias=True)
+  return tf.cast(tf.clip_by_value(tf.round(resized), 0, 255), tf.uint8)
+
+
+def _fitted_size(images: tf.Tensor, size: int, cover: bool) -> tf.Tensor:
+  """The aspect-preserving size whose shorter (`cover`) or longer side is `size`."""
+  shape = tf.cast(tf.shape(images)[-3:-1], tf.float32)
+  scale = size / (tf.reduce_min(shape) if cover else tf.reduce_max(shape))
+  return tf.cast(tf.maximum(tf.round(shape * scale), 1), tf.int32)
+
+
+@preprocessing.OPS.register('resize', stage='image')
+def resize(size: int, method: str = 'stretch') -> preprocessing.ImageOp:
+  """To `size` x `size` pixels. `method`: 'stretch' (ignore the aspect ratio), 'crop' (shorter
+  side to `size`, then the centre square) or 'pad' (longer side to `size`, then black borders)."""
+  preprocessing.check_int('size', size, 1)
+  if method not in METHODS:
+    raise ValueError(f'method={method!r} must be one of {METHODS}')
+  if method == 'stretch':
+    return lambda images: resize_images(images, (size, size))
+
+  def fitted(images: tf.Tensor) -> tf.Tensor:
+    scaled = tf.image.resize(images, _fitted_size(images, size, cover=method == 'crop'),
+                             antialias=True)
+    scaled = tf.cast(tf.clip_by_value(tf.round(scaled), 0, 255), tf.uint8)
+    return tf.image.resize_with_crop_or_pad(scaled, size, size)
+
+  return fitted

@@ -1,0 +1,242 @@
+"""Evaluators: what an evaluation measures, chosen by `config.evaluators`.
+
+`config.evaluators` is a string of evaluators joined by '|', each with optional Python-literal
+arguments, e.g. 'loss|accuracy|top_k(5)|per_class|confusion_matrix|misclassified(36)'. Every
+eval split (the eval split after every epoch, the test split at the end) runs all of them, in
+one pass: on the device, each evaluator folds every batch into a small state of sums (masked
+padding counts nothing; with several devices or processes XLA sums across them), and on the
+host turns the final state into scalars (and, for some, pictures and per-class rows).
+
+An evaluator is a class registered with `@EVALUATORS.register(name)`, built from its arguments:
+
+  `directions`  {scalar name: True if higher is better}, known before any data is read, so that
+                `config.best_metric` (e.g. 'eval/macro_f1') can be checked and followed;
+  `init(info)`  the state before the first batch (arrays of fixed shapes);
+  `update(state, logits, batch)`  the state after one batch (traced inside the eval step);
+  `results(state, info)`  {scalar name: float};
+  `images(state, info)`  {picture name: uint8 RGB array} for TensorBoard (default none);
+  `per_class(state, info)`  {column: one value per class} for the eval report (default none).
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from core import errors
+from core import registry
+from data_sources import base
+from training import pictures
+
+EVALUATORS = registry.Registry('evaluator', key='evaluators')
+State = Any  # A pytree of arrays.
+Batch = dict[str, jax.Array]  # 'image', 'label' and 'mask' (False for padding).
+
+
+class Evaluator:
+  """The base: no scalars, no pictures, no per-class values."""
+  name: str = ''
+  directions: dict[str, bool] = {}
+
+  def init(self, info: base.DatasetInfo) -> State:
+    raise NotImplementedError
+
+  def update(self, state: State, logits: jax.Array, batch: Batch) -> State:
+    raise NotImplementedError
+
+  def results(self, state: State, info: base.DatasetInfo) -> dict[str, float]:
+    del state, info
+    return {}
+
+  def images(self, state: State, info: base.DatasetInfo) -> dict[str, np.ndarray]:
+    del state, info
+    return {}
+
+  def per_class(self, state: State, info: base.DatasetInfo) -> dict[str, np.ndarray]:
+    del state, info
+    return {}
+
+
+def _count(batch: Batch) -> jax.Array:
+  return batch['mask'].sum(dtype=jnp.int32)
+
+
+@EVALUATORS.register('loss')
+class Loss(Evaluator):
+  """The mean softmax cross-entropy: `loss`."""
+  name = 'loss'
+  directions = {'loss': False}
+
+  def init(self, info):
+    return {'sum': jnp.zeros((), jnp.float32), 'count': jnp.zeros((), jnp.int32)}
+
+  def update(self, state, logits, batch):
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch['label'])
+    return {'sum': state['sum'] + jnp.where(batch['mask'], losses, 0).sum(),
+            'count': state['count'] + _count(batch)}
+
+  def results(self, state, info):
+    return {'loss': float(state['sum'] / max(state['count'], 1))}
+
+
+@EVALUATORS.register('top_k')
+class TopK(Evaluator):
+  """The share of examples whose label is among the `k` highest logits: `top<k>_accuracy`."""
+
+  def __init__(self, k: int = 5):
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+      raise ValueError(f'k={k!r} must be an integer >= 1')
+    self.k = k
+    self.name = f'top{k}_accuracy'
+    self.directions = {self.name: True}
+
+  def init(self, info):
+    return {'correct': jnp.zeros((), jnp.int32), 'count': jnp.zeros((), jnp.int32)}
+
+  def update(self, state, logits, batch):
+    _, top = jax.lax.top_k(logits, min(self.k, logits.shape[-1]))
+    hit = (top == batch['label'][:, None]).any(axis=-1) & batch['mask']
+    return {'correct': state['correct'] + hit.sum(dtype=jnp.int32),
+            'count': state['count'] + _count(batch)}
+
+  def results(self, state, info):
+    return {self.name: float(state['correct'] / max(state['count'], 1))}
+
+
+@EVALUATORS.register('accuracy')
+class Accuracy(TopK):
+  """The share of examples whose highest logit is their label: `accuracy`."""
+
+  def __init__(self):
+    super().__init__(k=1)
+    self.name = 'accuracy'
+    self.directions = {'accuracy': True}
+
+
+class _Confusion(Evaluator):
+  """A base for evaluators computed from the confusion matrix (rows true, columns predicted)."""
+
+  def init(self, info):
+    return jnp.zeros((info.num_classes, info.num_classes), jnp.int32)
+
+  def update(self, state, logits, batch):
+    num_classes = state.shape[0]
+    cells = batch['label'] * num_classes + logits.argmax(axis=-1)
+    counts = jnp.zeros(num_classes * num_classes, jnp.int32).at[cells].add(
+        batch['mask'].astype(jnp.int32))
+    return state + counts.reshape(state.shape)
+
+
+def class_scores(counts: np.ndarray) -> dict[str, np.ndarray]:
+  """Per-class support, precision, recall and F1 of a confusion matrix (rows true).
+
+  As scikit-learn's with zero_division=0: a class never predicted has precision 0, a class
+  without examples recall 0, and F1 is 0 where precision and recall both are.
+  """
+  counts = np.asarray(counts, np.float64)
+  true_positives = np.diag(counts)
+  support, predicted = counts.sum(axis=1), counts.sum(axis=0)
+  precision = np.divide(true_positives, predicted, out=np.zeros_like(predicted),
+                        where=predicted > 0)
+  recall = np.divide(true_positives, support, out=np.zeros_like(support), where=support > 0)
+  total = precision + recall
+  f1 = np.divide(2 * precision * recall, total, out=np.zeros_like(total), where=total > 0)
+  return {'support': support.astype(np.int64), 'precision': precision, 'recall': recall,
+          'f1': f1}
+
+
+@EVALUATORS.register('per_class')
+class PerClass(_Confusion):
+  """Per-class precision, recall and F1 (in the eval report), and their macro averages:
+  `macro_precision`, `macro_recall`, `macro_f1`, over the classes that occur in the split's
+  labels or predictions (scikit-learn's average='macro')."""
+  name = 'per_class'
+  directions = {'macro_precision': True, 'macro_recall': True, 'macro_f1': True}
+
+  def results(self, state, info):
+    scores = class_scores(state)
+    occurring = (scores['support'] > 0) | (np.asarray(state).sum(axis=0) > 0)
+    return {f'macro_{name}': float(scores[name][occurring].mean()) if occurring.any() else 0.0
+            for name in ('precision', 'recall', 'f1')}
+
+  def per_class(self, state, info):
+    return class_scores(state)
+
+
+@EVALUATORS.register('balanced_accuracy')
+class BalancedAccuracy(_Confusion):
+  """The mean recall over the classes that have examples in the split: `balanced_accuracy`
+  (scikit-learn's balanced_accuracy_score)."""
+  name = 'balanced_accuracy'
+  directions = {'balanced_accuracy': True}
+
+  def results(self, state, info):
+    scores = class_scores(state)
+    present = scores['support'] > 0
+    return {'balanced_accuracy': float(scores['recall'][present].mean()) if present.any() else 0.0}
+
+
+@EVALUATORS.register('confusion_matrix')
+class ConfusionMatrix(_Confusion):
+  """A picture of the confusion matrix, labelled with the class names: `confusion_matrix`."""
+  name = 'confusion_matrix'
+
+  def images(self, state, info):
+    return {'confusion_matrix': pictures.confusion_matrix(np.asarray(state), info.class_names)}
+
+
+@EVALUATORS.register('misclassified')
+class Misclassified(Evaluator):
+  """A grid of the first `count` misclassified examples, captioned 'true → predicted'."""
+  name = 'misclassified'
+
+  def __init__(self, count: int = 36):
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+      raise ValueError(f'count={count!r} must be an integer >= 1')
+    self.count = count
+
+  def init(self, info):
+    return {'images': jnp.zeros((self.count, *info.image_shape), jnp.float32),
+            'labels': jnp.zeros(self.count, jnp.int32),
+            'predictions': jnp.zeros(self.count, jnp.int32),
+            'found': jnp.zeros((), jnp.int32)}
+
+  def update(self, state, logits, batch):
+    predictions = logits.argmax(axis=-1).astype(jnp.int32)
+    wrong = batch['mask'] & (predictions != batch['label'])
+    # Each error's slot in the grid, in the order of the split; errors past the last slot (and
+    # correct examples, sent to slot `count`) are dropped by the scatter.
+    slots = jnp.where(wrong, state['found'] + jnp.cumsum(wrong) - 1, self.count)
+    def place(kept, values):
+      return kept.at[slots].set(values.astype(kept.dtype), mode='drop')
+    return {'images': place(state['images'], batch['image']),
+            'labels': place(state['labels'], batch['label']),
+            'predictions': place(state['predictions'], predictions),
+            'found': state['found'] + wrong.sum(dtype=jnp.int32)}
+
+  def images(self, state, info):
+    shown = min(int(state['found']), self.count)
+    if not shown:
+      return {}
+    return {'misclassified': pictures.misclassified_grid(
+        np.asarray(state['images'][:shown]), np.asarray(state['labels'][:shown]),
+        np.asarray(state['predictions'][:shown]), info.class_names)}
+
+
+def create(spec: str) -> list[Evaluator]:
+  """The evaluators of `spec` (config.evaluators); a `ConfigError` for a bad one or a repeat."""
+  evaluators = [evaluator for _, _, evaluator in EVALUATORS.create_calls(spec, 'evaluators')]
+  names = [evaluator.name for evaluator in evaluators]
+  if len(set(names)) < len(names):
+    raise errors.ConfigError(
+        f'config.evaluators={spec!r} is invalid: it names one evaluator twice.',
+        key='evaluators', value=spec)
+  return evaluators
+
+
+def directions(evaluators: list[Evaluator]) -> dict[str, bool]:
+  """{scalar name: True if higher is better} of all `evaluators`."""
+  return {name: higher for evaluator in evaluators
+          for name, higher in evaluator.directions.items()}

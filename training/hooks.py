@@ -1,0 +1,318 @@
+"""The training loop's hooks: each watches the steps go by and owns its own state.
+
+After every train step the loop calls each hook's `after_step(loop)` in order; hooks read the
+`Loop` (step, epoch, state) and add to it: the scalars of the step (`loop.metrics`, e.g. the
+eval results at an epoch end, which the checkpoint hook saves with the checkpoint) and a reason
+to stop (`loop.stop`). A hook with state that a resumed run needs (early stopping's best value)
+gives it with `state_dict` and takes it back with `load_state_dict`; it travels in the
+checkpoint's progress item. `every` is the one cadence helper.
+"""
+
+import dataclasses
+import math
+import signal
+import time
+
+from absl import logging
+from clu import metric_writers
+from clu import periodic_actions
+import ml_collections
+import optax
+
+from core import errors
+from core import runtime
+from training import checkpointing
+from training import evaluation
+from training import state as state_lib
+
+
+@dataclasses.dataclass
+class Loop:
+  """What the hooks see of the run after a step, and what they tell each other."""
+  config: ml_collections.ConfigDict
+  state: state_lib.TrainState
+  steps_per_epoch: int
+  num_steps: int
+  step: int = 0  # Steps done.
+  metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # Of this step.
+  stop: str | None = None  # Why the run stops before num_steps, once a hook says so.
+
+  @property
+  def epoch(self) -> int:
+    """The epochs done (counting the one this step ends)."""
+    return self.step // self.steps_per_epoch
+
+  @property
+  def end_of_epoch(self) -> bool:
+    return self.step % self.steps_per_epoch == 0
+
+  @property
+  def last_step(self) -> bool:
+    return self.step == self.num_steps
+
+
+def every(step: int, period: int) -> bool:
+  """Whether a task due every `period` steps is due at `step` (1-based)."""
+  return period > 0 and step % period == 0
+
+
+class Hook:
+  """A hook that does nothing; subclasses override what they need."""
+  name = ''  # Key of its state in the checkpoint's progress item (stateful hooks only).
+
+  def on_start(self, loop: Loop) -> None:
+    """Called once before the first step (after a resume restored the hooks' state)."""
+
+  def after_step(self, loop: Loop) -> None:
+    """Called after every train step."""
+
+  def state_dict(self) -> dict:
+    return {}
+
+  def load_state_dict(self, saved: dict) -> None:
+    del saved
+
+
+def duration(seconds: float) -> str:
+  """'1h02m', '3m05s' or '42s'."""
+  seconds = int(round(seconds))
+  if seconds >= 3600:
+    return f'{seconds // 3600}h{seconds % 3600 // 60:02d}m'
+  return f'{seconds // 60}m{seconds % 60:02d}s' if seconds >= 60 else f'{seconds}s'
+
+
+class Progress(Hook):
+  """A progress line every `every_seconds`: step, steps/s and a true ETA.
+
+  Hand-written rather than clu's `ReportProgress`, whose ETA is whole minutes (a run with 40 s
+  left reads 'ETA: 0m'). The rate is measured over the whole run since its first step, evals
+  included, so the ETA counts the evals still to come.
+  """
+
+  def __init__(self, every_seconds: float = 10.0):
+    self._every = every_seconds
+    self._first = None  # (time, step) after the first step, once compiled.
+    self._last_report = 0.0
+
+  def after_step(self, loop):
+    now = time.time()
+    if self._first is None:
+      self._first = now, loop.step
+      self._last_report = now
+      return
+    if now - self._last_report < self._every and not loop.last_step:
+      return
+    self._last_report = now
+    rate = (loop.step - self._first[1]) / max(now - self._first[0], 1e-9)
+    logging.info('step %d/%d (%.1f%%, epoch %d/%d): %.1f steps/s, ETA %s', loop.step,
+                 loop.num_steps, 100 * loop.step / loop.num_steps,
+                 min(loop.epoch + 1, loop.config.num_epochs), loop.config.num_epochs, rate,
+                 duration((loop.num_steps - loop.step) / max(rate, 1e-9)))
+
+
+class Profiler(Hook):
+  """A trace of `config.profile_steps` steps for TensorBoard's profile plugin, after
+  `WARMUP_STEPS` more steps than the run starts at, into <workdir>/plugins/profile/."""
+  # Steps run before the trace starts, so that it shows the steady state rather than the first
+  # steps' one-off costs (input pipeline start-up, first transfers).
+  WARMUP_STEPS = 5
+
+  def __init__(self, workdir: str, num_steps: int):
+    self._workdir, self._num_steps = workdir, num_steps
+    self._profile = None
+
+  def on_start(self, loop):
+    if loop.step + self.WARMUP_STEPS + self._num_steps > loop.num_steps:
+      raise errors.ConfigError(
+          f'config.profile_steps={self._num_steps} does not fit in the {loop.num_steps} steps '
+          f'of this run after step {loop.step} with its {self.WARMUP_STEPS} warm-up steps.',
+          key='profile_steps', value=self._num_steps)
+    self._profile = periodic_actions.Profile(
+        logdir=self._workdir, num_profile_steps=self._num_steps, profile_duration_ms=None,
+        first_profile=loop.step + self.WARMUP_STEPS, every_secs=None)
+
+  def after_step(self, loop):
+    self._profile(loop.step)
+
+
+class NonFiniteGuard(Hook):
+  """Halts the run when the training loss is NaN/Inf (config.nonfinite='halt'), saving nothing:
+  checked at every train-metrics write, and of the whole state before every save."""
+
+  def __init__(self, checkpoints: checkpointing.Checkpoints, every_steps: int):
+    self._checkpoints, self._every = checkpoints, every_steps
+    self._checked = 0  # The last step whose loss was checked.
+
+  def on_start(self, loop):
+    self._checked = loop.step
+
+  def after_step(self, loop):
+    if every(loop.step, self._every) or loop.end_of_epoch:
+      loss = float(loop.state.window.loss.value)
+      if not math.isfinite(loss):
+        self._halt(f'The training loss is {loss} in steps {self._checked + 1}-{loop.step}',
+                   loop.step)
+      self._checked = loop.step
+
+  def check_state(self, loop: Loop) -> None:
+    if not state_lib.all_finite(loop.state):
+      self._halt(f'The training state is not finite at step {loop.step}', loop.step)
+
+  def _halt(self, what: str, step: int) -> None:
+    steps = self._checkpoints.all_steps()
+    last = steps[-1] if steps else None
+    kept = (f'the last good checkpoint is step {last} in {self._checkpoints.directory} (kept '
+            'unchanged)' if last is not None else 'no checkpoint was saved before it')
+    raise errors.NonFiniteError(
+        f"{what}: halting because config.nonfinite='halt'; {kept}. Try a lower "
+        "config.learning_rate, or config.nonfinite='skip' to skip updates with NaN/Inf "
+        'gradients.', step=step, last_checkpoint=last)
+
+
+class TrainMetrics(Hook):
+  """Writes the train loss and accuracy since the last write, and the learning rate, every
+  `every_steps` and at epoch ends; at an epoch end, also the epoch's means and its training
+  speed (examples/s, evals excluded) into `loop.metrics`."""
+
+  def __init__(self, writer: metric_writers.MetricWriter, schedule: optax.Schedule,
+               every_steps: int, batch_size: int):
+    self._writer, self._schedule = writer, schedule
+    self._every, self._batch_size = every_steps, batch_size
+    self._epoch_start = None  # (time, step) at the first step of the epoch.
+
+  def after_step(self, loop):
+    if self._epoch_start is None or loop.step % loop.steps_per_epoch == 1:
+      self._epoch_start = time.time(), loop.step
+    if not (every(loop.step, self._every) or loop.end_of_epoch):
+      return
+    scalars = {**loop.state.window.results(),  # The only host sync of the loop.
+               'learning_rate': state_lib.learning_rate(loop.config, self._schedule, loop.step)}
+    loop.state.window.reset()
+    if loop.end_of_epoch:
+      seconds = time.time() - self._epoch_start[0]
+      steps = loop.step - self._epoch_start[1]
+      scalars.update({'train/examples_per_sec': steps * self._batch_size / max(seconds, 1e-9),
+                      'epoch': loop.epoch})
+      loop.metrics.update({f'{name}_epoch': value
+                           for name, value in loop.state.epoch.results().items()})
+      loop.state.epoch.reset()
+    self._writer.write_scalars(loop.step, scalars)
+
+
+class Evaluate(Hook):
+  """Evaluates the eval split at every epoch end: its scalars into `loop.metrics` and the
+  writer, its pictures to TensorBoard, and the epoch's line in the log."""
+
+  def __init__(self, split: evaluation.Evaluation, batches,
+               writer: metric_writers.MetricWriter):
+    self._evaluation, self._batches, self._writer = split, batches, writer
+    self._epoch_start = time.time()
+
+  def after_step(self, loop):
+    if not loop.end_of_epoch:
+      return
+    result = self._evaluation.run(loop.state.eval_model(), self._batches)
+    loop.metrics.update(result.scalars)
+    self._writer.write_scalars(loop.step, result.scalars)
+    if result.images:
+      self._writer.write_images(loop.step, result.images)
+    self._writer.flush()  # Read by sweep.py's pruner while the run goes on.
+    logging.info('epoch %d/%d: %s (%d examples) in %.1fs', loop.epoch, loop.config.num_epochs,
+                 ' '.join(f'{name}={loop.metrics[name]:.4f}'
+                          for name in ('train/loss_epoch', 'train/accuracy_epoch', *result.scalars)
+                          if name in loop.metrics),
+                 result.num_examples, time.time() - self._epoch_start)
+    self._epoch_start = time.time()
+
+
+class EarlyStopping(Hook):
+  """Stops the run after `patience` epochs whose `metric` did not beat the best by more than
+  `min_delta` (as Keras's EarlyStopping); its best value and epoch resume with the run.
+
+  It follows its own best rather than Orbax's best checkpoint, which counts any improvement:
+  with `min_delta` the two may differ (the best checkpoint is still the best).
+  """
+  name = 'early_stopping'
+
+  def __init__(self, metric: str, maximize: bool, patience: int, min_delta: float):
+    self._metric, self._sign = metric, 1 if maximize else -1
+    self._patience, self._min_delta = patience, min_delta
+    self._best, self._best_epoch = None, 0
+    self._stopped = False
+
+  def state_dict(self):
+    return {'best': self._best, 'best_epoch': self._best_epoch, 'stopped': self._stopped}
+
+  def load_state_dict(self, saved):
+    self._best, self._best_epoch = saved['best'], saved['best_epoch']
+
+  def on_start(self, loop):
+    self._check(loop)  # A run resumed after it stopped early goes straight to the end.
+
+  def after_step(self, loop):
+    if not loop.end_of_epoch:
+      return
+    value = loop.metrics[self._metric]
+    if self._best is None or self._sign * (value - self._best) > self._min_delta:
+      self._best, self._best_epoch = value, loop.epoch
+    self._check(loop)
+
+  def _check(self, loop: Loop) -> None:
+    waited = loop.epoch - self._best_epoch
+    if self._best is not None and waited >= self._patience and not loop.last_step:
+      self._stopped = True
+      loop.stop = (f'early stopping: {self._metric} has not improved by more than '
+                   f'{self._min_delta} for {waited} epochs (best {self._best:.4f} at epoch '
+                   f'{self._best_epoch}; config.early_stopping_patience={self._patience})')
+
+
+class StopOnSignal(Hook):
+  """Stops the run at the step where a stop signal arrived (or, with several processes, the
+  step all agreed on): the checkpoint hook saves it, then the run exits with the signal."""
+
+  def __init__(self, signals: runtime.StopSignals):
+    self._signals = signals
+
+  def after_step(self, loop):
+    if self._signals.reached(loop.step) and not loop.last_step:
+      loop.stop = f'received {signal.Signals(self._signals.received).name}'
+
+
+class Checkpointing(Hook):
+  """Saves every `every_steps`, at every epoch end (with its eval metrics, by which the best
+  is kept), at the last step and when the run stops early; never a non-finite state."""
+
+  def __init__(self, checkpoints: checkpointing.Checkpoints, every_steps: int,
+               hooks: list[Hook], guard: NonFiniteGuard | None):
+    self._checkpoints, self._every = checkpoints, every_steps
+    self._hooks, self._guard = hooks, guard
+
+  def after_step(self, loop):
+    if not (every(loop.step, self._every) or loop.end_of_epoch or loop.last_step or loop.stop):
+      return
+    if self._guard:
+      self._guard.check_state(loop)
+    epoch, step_in_epoch = divmod(loop.step, loop.steps_per_epoch)
+    progress = {'epoch': epoch, 'step_in_epoch': step_in_epoch,
+                'steps_per_epoch': loop.steps_per_epoch,
+                'hooks': {hook.name: hook.state_dict() for hook in self._hooks if hook.name}}
+    metrics = ({name: value for name, value in loop.metrics.items() if name.startswith('eval/')}
+               if loop.end_of_epoch else None)
+    self._checkpoints.save(loop.step, loop.state, progress, metrics)
+
+
+def run(loop: Loop, hooks: list[Hook], batches, train_step, place) -> None:
+  """Trains on `batches` from `loop.step` until they end or a hook stops the run."""
+  for hook in hooks:
+    hook.on_start(loop)
+  if loop.stop:
+    return
+  for batch in batches:
+    train_step(loop.state, place(batch))
+    loop.step += 1
+    loop.metrics = {}
+    for hook in hooks:
+      hook.after_step(loop)
+    if loop.stop:
+      return
+

@@ -1,0 +1,117 @@
+"""Pictures of an evaluation for TensorBoard: a labelled confusion matrix, a captioned error grid.
+
+Drawn with PIL's built-in font, so they look the same on every machine. Both are sized for
+TensorBoard's image cards: readable at the card's width for 10 classes, and for 100 classes
+still a usable overview (cells shrink, labels thin out, names are shortened).
+"""
+
+import math
+
+import numpy as np
+from PIL import Image
+from PIL import ImageDraw
+from PIL import ImageFont
+
+_FONT_SIZE = 12
+_FONT = ImageFont.load_default(size=_FONT_SIZE)
+_NAME_CHARS = 14  # Class names are shortened to this many characters.
+_MATRIX_PIXELS = 480  # The matrix's cells take about this many pixels across.
+_MIN_TILE = 84  # Pixels per example in the grid, at least (MNIST digits are drawn 3x).
+_NUMBER_CELL = 28  # Cells at least this big show their count.
+
+
+def short_name(name: str, limit: int = _NAME_CHARS) -> str:
+  """`name` cut to `limit` characters, with an ellipsis in its middle if it was longer."""
+  if len(name) <= limit:
+    return name
+  head = (limit - 1) // 2
+  return f'{name[:head]}…{name[len(name) - (limit - 1 - head):]}'
+
+
+def _text_width(text: str) -> int:
+  return int(math.ceil(_FONT.getlength(text)))
+
+
+def _shade(share: float, diagonal: bool) -> tuple[int, int, int]:
+  """Blue for correct predictions, red for errors; the larger the row's share, the darker.
+
+  Errors are shaded by the square root of their share, so that a cell holding 1% of its row is
+  still visibly pink beside white cells that hold none.
+  """
+  strength = share if diagonal else math.sqrt(share)
+  light = int(round(255 * (1 - 0.85 * strength)))
+  return (light, light, 255) if diagonal else (255, light, light)
+
+
+def confusion_matrix(counts: np.ndarray, class_names: tuple[str, ...] = ()) -> np.ndarray:
+  """A uint8 RGB heat map of `counts` (rows: true class, columns: predicted class).
+
+  Each row is shaded by its shares (normalised rows: a rare class reads as well as a common
+  one), with the counts written in cells large enough. Rows are labelled 'index name',
+  columns by index; with many classes, every n-th label.
+  """
+  num_classes = len(counts)
+  names = [short_name(name) for name in (class_names or map(str, range(num_classes)))]
+  cell = max(4, min(40, _MATRIX_PIXELS // num_classes))
+  every = max(1, math.ceil((_FONT_SIZE + 2) / cell))  # Label every n-th row and column.
+  row_labels = [f'{k} {names[k]}' if k % every == 0 else '' for k in range(num_classes)]
+  left = max(_text_width(label) for label in row_labels) + 10
+  top = 2 * _FONT_SIZE + 14
+  size = (left + num_classes * cell + 4, top + num_classes * cell + _FONT_SIZE + 10)
+  image = Image.new('RGB', size, 'white')
+  draw = ImageDraw.Draw(image)
+  draw.text((left, 2), 'predicted →', fill='black', font=_FONT)
+  draw.text((4, 2), 'true ↓', fill='black', font=_FONT)
+  shares = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+  for k in range(0, num_classes, every):
+    index = str(k)
+    draw.text((left + k * cell + (cell - _text_width(index)) / 2, _FONT_SIZE + 6), index,
+              fill='black', font=_FONT)
+    draw.text((4, top + k * cell + (cell - _FONT_SIZE) / 2 - 2), row_labels[k], fill='black',
+              font=_FONT)
+  for (true, predicted), count in np.ndenumerate(counts):
+    fill = _shade(shares[true, predicted], true == predicted)
+    x, y = left + predicted * cell, top + true * cell
+    draw.rectangle((x, y, x + cell - 1, y + cell - 1), fill=fill,
+                   outline='lightgray' if cell >= 8 else None)
+    if cell >= _NUMBER_CELL and count:
+      text = str(count)
+      dark = sum(fill) < 3 * 140
+      draw.text((x + (cell - _text_width(text)) / 2, y + (cell - _FONT_SIZE) / 2 - 2), text,
+                fill='white' if dark else 'black', font=_FONT)
+  total = counts.sum()
+  draw.text((4, size[1] - _FONT_SIZE - 6), f'{total} examples, rows normalised; '
+            f'accuracy {np.trace(counts) / max(total, 1):.2%}', fill='dimgray', font=_FONT)
+  return np.asarray(image)
+
+
+def displayable(images: np.ndarray) -> np.ndarray:
+  """uint8 pixels of preprocessed float images: each image's range stretched to 0-255."""
+  low = images.min(axis=(1, 2, 3), keepdims=True)
+  high = images.max(axis=(1, 2, 3), keepdims=True)
+  return np.uint8(np.round(255 * (images - low) / np.maximum(high - low, 1e-6)))
+
+
+def misclassified_grid(images: np.ndarray, labels: np.ndarray, predictions: np.ndarray,
+                       class_names: tuple[str, ...] = ()) -> np.ndarray:
+  """A uint8 RGB grid of `images` (N, H, W, C) as the model saw them, each captioned
+  'true → predicted' with class names."""
+  names = class_names or tuple(map(str, range(int(max(labels.max(), predictions.max())) + 1)))
+  captions = [f'{short_name(names[label], 9)} → {short_name(names[predicted], 9)}'
+              for label, predicted in zip(labels, predictions)]
+  num, height, width, _ = images.shape
+  scale = max(1, math.ceil(_MIN_TILE / max(height, width)))
+  tile_width, tile_height = width * scale, height * scale
+  cell_width = max(tile_width, max(map(_text_width, captions))) + 8
+  cell_height = tile_height + _FONT_SIZE + 8
+  columns = math.ceil(math.sqrt(num))
+  grid = Image.new('RGB', (columns * cell_width, math.ceil(num / columns) * cell_height), 'white')
+  draw = ImageDraw.Draw(grid)
+  for i, (pixels, caption) in enumerate(zip(displayable(images), captions)):
+    x, y = i % columns * cell_width, i // columns * cell_height
+    tile = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels).convert('RGB')
+    grid.paste(tile.resize((tile_width, tile_height), Image.NEAREST),
+               (x + (cell_width - tile_width) // 2, y + _FONT_SIZE + 6))
+    draw.text((x + (cell_width - _text_width(caption)) / 2, y + 2), caption, fill='firebrick',
+              font=_FONT)
+  return np.asarray(grid)
