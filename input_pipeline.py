@@ -63,22 +63,9 @@ class Streamed:
 
 def open_data(config: ml_collections.ConfigDict) -> Data:
   """`config.data_source` with `config.preprocess`; the splits checked, nothing decoded."""
-  for key, valid in (('in_memory', IN_MEMORY), ('input_backend', INPUT_BACKENDS)):
-    if config[key] not in valid:
-      raise errors.ConfigError(f'Unknown {key} {config[key]!r}: config.{key} must be one of '
-                               f'{list(valid)}.', key=key, value=config[key])
+  check_input(config)
   preprocess = preprocessing.parse(config.preprocess)
-  if config.input_backend == 'torch' and (config.in_memory == 'never' or preprocess.random_ops):
-    raise errors.ConfigError(
-        f"config.input_backend='torch' takes in-memory splits without random ops: use "
-        "input_backend='tf' for in_memory='never' or random ops in config.preprocess.",
-        key='input_backend', value=config.input_backend)
   source = data_sources.open_source(config)
-  if config.in_memory == 'never' and not source.can_stream:
-    raise errors.ConfigError(
-        f"config.in_memory='never' streams splits from their files, which data_source "
-        f"{config.data_source!r} cannot: use in_memory='auto' or 'always', or a data source "
-        'that streams (tfds, folder).', key='in_memory', value='never')
   sizes = {key: source.split_size(key, config[key]) if config.get(key) else 0
            for key in ('train_split', 'eval_split', 'test_split')}
   info = base.DatasetInfo(
@@ -87,6 +74,28 @@ def open_data(config: ml_collections.ConfigDict) -> Data:
       num_eval_examples=sizes['eval_split'], num_test_examples=sizes['test_split'],
       class_names=tuple(source.class_names))
   return Data(source, preprocess, info)
+
+
+def can_stream(config: ml_collections.ConfigDict) -> bool:
+  return bool(data_sources.SOURCES.capability(config.data_source, 'can_stream'))
+
+
+def check_input(config: ml_collections.ConfigDict) -> None:
+  """Checks that the data source and input backend can serve config.in_memory and the random
+  ops of config.preprocess."""
+  if config.in_memory == 'never' and not can_stream(config):
+    streaming = [name for name in data_sources.SOURCES.names()
+                 if data_sources.SOURCES.capability(name, 'can_stream')]
+    raise errors.ConfigError(
+        f"config.in_memory='never' streams splits from their files, which data_source "
+        f"{config.data_source!r} cannot: use in_memory='auto' or 'always', or a data source "
+        f'that streams ({", ".join(streaming)}).', key='in_memory', value='never')
+  if config.input_backend == 'torch' and (config.in_memory == 'never'
+                                          or preprocessing.parse(config.preprocess).random_ops):
+    raise errors.ConfigError(
+        "config.input_backend='torch' takes in-memory splits without random ops: use "
+        "input_backend='tf' for in_memory='never' or random ops in config.preprocess.",
+        key='input_backend', value=config.input_backend)
 
 
 def epoch_seed(seed: int, epoch):
@@ -112,7 +121,7 @@ def open_split(data: Data, split: base.SplitArg,
             'label': example['label']},
         num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
-  if not _in_memory(config, source, split, num_examples, image_shape):
+  if not _in_memory(config, split, num_examples, image_shape):
     logging.info('Streaming split %r of %s (%d examples) from its files.', split, source.name,
                  num_examples)
     return Streamed(lambda seed: resized(source.examples(split, seed)), num_examples, image_shape)
@@ -126,9 +135,9 @@ def open_split(data: Data, split: base.SplitArg,
   return base.Split(images=np.concatenate(list(images)), labels=loaded.labels)
 
 
-def _in_memory(config: ml_collections.ConfigDict, source: base.DataSource, split: base.SplitArg,
-               num_examples: int, image_shape: tuple[int, int, int]) -> bool:
-  if config.in_memory != 'auto' or not source.can_stream or config.input_backend == 'torch':
+def _in_memory(config: ml_collections.ConfigDict, split: base.SplitArg, num_examples: int,
+               image_shape: tuple[int, int, int]) -> bool:
+  if config.in_memory != 'auto' or not can_stream(config) or config.input_backend == 'torch':
     return config.in_memory != 'never'
   size = num_examples * math.prod(image_shape) * 4
   budget = MEMORY_SHARE * os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')

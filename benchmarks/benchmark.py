@@ -22,12 +22,12 @@ Prints a table and writes everything, every round included, to --json.
 
 import sys
 
-from cli import startup  # pylint: disable=g-bad-import-order  (first: it must precede tensorflow)
+from core import runtime  # pylint: disable=g-bad-import-order  (first: it must precede tensorflow)
 
 # As main.py does, before TensorFlow and JAX start their threads (only where asked to, so that
 # the reference can also be measured as published).
 if '--keep_freed_memory' in sys.argv:
-  startup.tune_malloc_for_cpu()
+  runtime.tune_malloc_for_cpu()
 
 import json
 import os
@@ -49,10 +49,13 @@ import numpy as np
 import tensorflow as tf
 
 from benchmarks import reference_mnist
-import data_sources
 import input_pipeline
 import train
+from training import evaluation
+from training import evaluators
+from training import losses
 from training import parallel
+from training import state as state_lib
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config to benchmark.')
@@ -134,33 +137,29 @@ def flops_per_example(jitted, *args, examples: int) -> tuple[float, float]:
 
 
 def measure_project(config) -> dict[str, float]:
-  """The project's figures, through the same data, model and step code as `train`."""
+  """The project's figures, through the same data, state, step and evaluation code as `train`."""
   mesh = parallel.create_mesh()
   jax.set_mesh(mesh)
-  source = data_sources.open_source(config)
-  info = source.info(config)
-  train_split, eval_batches = train.load_data(config, source, info, mesh)
-  model, optimizer, ema, _ = train.create_model_and_optimizer(
-      config, info, info.num_train_examples // config.batch_size)
-  metrics = train.Metrics.empty()
-  chunks = (parallel.shard(chunk, mesh, axis=1)
-            for chunk in input_pipeline.train_batches(train_split, config))
-  first = next(chunks)
-  examples_per_call = first['label'].size
-  compile_s, flops = flops_per_example(train.train_steps, model, optimizer, ema, metrics, first,
-                                       examples=examples_per_call)
+  data = input_pipeline.open_data(config)
+  train_split, eval_batches = train.load_splits(config, data, mesh)
+  state = state_lib.create(config, data.info, data.info.num_train_examples // config.batch_size)
+  train_step = state_lib.make_train_step(losses.LOSSES.create(config, data.info.num_classes))
+  batches = (parallel.shard(batch, mesh)
+             for batch in input_pipeline.train_batches(train_split, data, config, config.batch_size))
+  first = next(batches)
+  compile_s, flops = flops_per_example(train_step, state, first, examples=config.batch_size)
 
-  def step(chunk):
-    nonlocal metrics
-    metrics = train.train_steps(model, optimizer, ema, metrics, chunk)
-    return metrics
+  def step(batch):
+    train_step(state, batch)
+    return nnx.state(state)
 
-  results = measure_training(step, chunks, examples_per_call,
-                             max(1, FLAGS.steps // config.steps_per_dispatch))
-  train.evaluate(model, eval_batches)  # Compile.
-  eval_s = best_time(lambda: train.evaluate(model, eval_batches), repeats=3)
+  results = measure_training(step, batches, config.batch_size, FLAGS.steps)
+  split = evaluation.Evaluation('eval', evaluators.create(config.evaluators), data.info,
+                                data.info.num_eval_examples)
+  split.run(state.eval_model(), eval_batches)  # Compile.
+  eval_s = best_time(lambda: split.run(state.eval_model(), eval_batches), repeats=3)
   return {'compile_s': compile_s, 'flops_per_example': flops, **results,
-          'eval_examples_per_sec': info.num_eval_examples / eval_s}
+          'eval_examples_per_sec': data.info.num_eval_examples / eval_s}
 
 
 def measure_reference(config) -> dict[str, float]:
@@ -238,7 +237,7 @@ def time_to_accuracy_runs(config) -> dict[str, dict[str, float]]:
   with tempfile.TemporaryDirectory() as workdir:
     runs = {'project': time_to_accuracy(
         [sys.executable, 'main.py', f'--config={FLAGS["config"].config_filename}',
-         f'--workdir={workdir}', *overrides], r'epoch (\d+)/\d+: .*eval_accuracy=([0-9.]+)')}
+         f'--workdir={workdir}', *overrides], r'epoch (\d+)/\d+: .*eval/accuracy=([0-9.]+)')}
   if FLAGS.reference:
     data_dir = [f'--data_dir={config.data_dir}'] if config.data_dir else []
     runs['reference'] = time_to_accuracy(

@@ -9,9 +9,9 @@ training between saves), and reports the blocking time of the last 7 (the first 
 import tempfile
 import time
 
-from cli import startup  # pylint: disable=g-bad-import-order  (first: it must precede tensorflow)
+from core import runtime  # pylint: disable=g-bad-import-order  (first: it must precede tensorflow)
 
-startup.tune_malloc_for_cpu()
+runtime.start()
 
 from absl import logging  # pylint: disable=g-import-not-at-top
 from flax import nnx  # pylint: disable=g-import-not-at-top
@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
 from configs import default  # pylint: disable=g-import-not-at-top
 from data_sources import base  # pylint: disable=g-import-not-at-top
-import train  # pylint: disable=g-import-not-at-top
+from training import state as state_lib  # pylint: disable=g-import-not-at-top
 
 _SAVES = 8
 
@@ -45,8 +45,7 @@ def main():
   logging.set_verbosity(logging.ERROR)
   config = default.get_config()
   info = base.DatasetInfo('mnist', (28, 28, 1), 10, 60_000, 10_000)
-  model, optimizer, _, _ = train.create_model_and_optimizer(config, info, 468)
-  items = {'model': nnx.state(model), 'train': nnx.state(optimizer)}
+  items = {'state': nnx.state(state_lib.create(config, info, 468))}
   for enable_async in (False, True):
     times = blocking_times(items, enable_async)
     print(f'enable_async_checkpointing={enable_async}: save() blocks for a median of '

@@ -101,7 +101,10 @@ class Registry:
     return entry
 
   def capability(self, name: str, capability: str, default: Any = None) -> Any:
-    return self.entry(name).capabilities.get(capability, default)
+    """What plug-in `name` declared for `capability` (without importing what it requires)."""
+    self._import_package()
+    entry = self._entries.get(name)
+    return default if entry is None else entry.capabilities.get(capability, default)
 
   def options(self, config: ml_collections.ConfigDict, name: str | None = None) -> dict:
     """The options of the chosen plug-in (or `name`) from `config.<key>_options.<name>`."""

@@ -5,7 +5,7 @@
 with its options from `config.data_source_options.<name>`. Its metadata (image shape, class
 names, split sizes) comes first and cheaply, so that config values can be checked against it;
 then `load_split` decodes a split into memory as uint8 images and int32 labels, or, for sources
-whose class sets `can_stream`, `examples` streams it from its files. `input_pipeline` resizes,
+registered with `can_stream=True`, `examples` streams it from its files. `input_pipeline` resizes,
 shuffles, augments and batches. A source that needs an optional package says so with
 `requires='package'` and imports it inside its factory.
 

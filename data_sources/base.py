@@ -41,7 +41,6 @@ class Split:
 
 class DataSource(abc.ABC):
   """An image-classification dataset: metadata first, then splits decoded on request."""
-  can_stream = False  # Whether `examples` reads a split from its files (config.in_memory).
 
   def __init__(self, name: str):
     self.name = name

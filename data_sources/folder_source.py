@@ -173,10 +173,9 @@ def find_files(folder: str) -> list[str]:
   return found
 
 
-@data_sources.SOURCES.register('folder')
+@data_sources.SOURCES.register('folder', can_stream=True)
 class FolderSource(base.RangeSource):
   """The images under `root/<split>/<class name>/`."""
-  can_stream = True
 
   def __init__(self, root: str, data_dir: str | None = None):
     del data_dir  # The root is the dataset itself.

@@ -17,14 +17,13 @@ from data_sources import base
 _DECODE_BLOCK = 100  # Images decoded per tf.data map call (one graph of this many decode ops).
 
 
-@data_sources.SOURCES.register('tfds')
+@data_sources.SOURCES.register('tfds', can_stream=True)
 class TfdsSource(base.DataSource):
   """A TFDS image-classification dataset with 'image' and 'label' features.
 
   `name` is a registered TFDS name ('mnist', 'cifar10', ...) or the name of a dataset prepared
   in `data_dir` (default: $TFDS_DATA_DIR or ~/tensorflow_datasets).
   """
-  can_stream = True
 
   def __init__(self, name: str, data_dir: str | None):
     super().__init__(name)

@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 
-from cli import startup  # pylint: disable=g-bad-import-order  (first: it must precede tensorflow)
+from core import runtime  # pylint: disable=g-bad-import-order  (first: it must precede tensorflow)
 
 # In-process training in the tests runs as it does in main.py.
-startup.tune_malloc_for_cpu()
+runtime.start()
 
 def requires_extras(*packages: str) -> None:
   """Skips the calling test (or fixture) unless the optional packages it needs are installed."""

@@ -6,13 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from core import errors
 import kernels
 import models
 import train
 from benchmarks import reference_mnist
 from configs import cifar10
 from configs import default
-from data_sources import base
 import image_folders
 from training import config_checks
 
@@ -52,16 +52,18 @@ def test_resnet20_parameter_count_and_shapes():
   # then 2 x (2 x 36,864 + 256); linear 650. ResNet-20's 0.27M (He et al. 2016).
   assert _count(model, nnx.Param) == 272_474
   assert len(model.blocks) == 9
-  assert [block.downsample for block in model.blocks] == [False] * 3 + [True, False, False] * 2
+  # Each stage after the first starts with a stride-2 block (its shortcut too).
+  assert [block.conv1.strides for block in model.blocks] == (
+      [(1, 1)] * 3 + [(2, 2), (1, 1), (1, 1)] * 2)
 
 
 
 def test_resnet_cpu_layers_compute_the_stock_function(image_shape=(28, 28, 1)):
-  """Narrow and shallow (for test time), but with every kind of block: plain, downsampling."""
+  """Narrow and shallow (for test time), but with every kind of block: plain, downsampling
+  (a stride-2 convolution, which the CPU layer runs as the stock one does)."""
   def create(cpu_kernels):
-    return models.create_compiled(lambda: _create(
-        'resnet', image_shape, num_classes=7, cpu_kernels=cpu_kernels,
-        model_options={'resnet': {'widths': (4, 8), 'blocks_per_stage': 2}}))
+    return _create('resnet', image_shape, num_classes=7, cpu_kernels=cpu_kernels,
+                   model_options={'resnet': {'widths': (4, 8), 'blocks_per_stage': 2}})
   stock, cpu = create('off'), create('auto')
   assert [block.conv2.kernel.shape for block in cpu.blocks] == [(3, 3, 4, 4)] * 2 + [
       (3, 3, 8, 8)] * 2
@@ -134,41 +136,15 @@ def test_cnn_eval_mode_is_deterministic_and_freezes_batch_stats():
   np.testing.assert_array_equal(model.batch_norm1.mean[...], mean_before)
 
 
-def test_unknown_model_lists_valid_names():
-  with pytest.raises(ValueError, match=r"Unknown model 'resnet50'.*\['cnn', 'mlp', 'resnet'\]"):
+def test_unknown_model_and_option_are_config_errors_naming_the_key():
+  with pytest.raises(errors.ConfigError) as error:
     _create('resnet50')
-
-
-class TinyNet(nnx.Module):
-  """What a user adds: one class, built from the injected layers, with one option."""
-
-  def __init__(self, image_shape, num_classes, *, layers, rngs, width=4):
-    self.conv = layers.conv(image_shape[-1], width, kernel_size=(3, 3), rngs=rngs)
-    self.linear = nnx.Linear(width, num_classes, rngs=rngs)
-
-  def __call__(self, x):
-    return self.linear(nnx.relu(self.conv(x)).mean(axis=(1, 2)))
-
-
-def test_a_model_added_to_the_registry_trains_from_the_config_alone(monkeypatch):
-  monkeypatch.setitem(models.MODELS, 'tiny', TinyNet)
+  assert (error.value.key, error.value.value) == ('model', 'resnet50')
   config = default.get_config()
-  config.model = 'tiny'
-  config.model_options.tiny = {'width': 6}
-  config_checks.check_config(config)
-  info = base.DatasetInfo(name='random', image_shape=(28, 28, 1), num_classes=10,
-                          num_train_examples=96, num_eval_examples=0)
-  model, optimizer, _, _ = train.create_model_and_optimizer(config, info, steps_per_epoch=3)
-  assert isinstance(model, TinyNet) and model.conv.kernel.shape == (3, 3, 1, 6)
-  # On this CPU backend, 'auto' built it from the CPU layers.
-  assert isinstance(model.conv, kernels.cpu.Conv)
-  rng = np.random.default_rng(0)
-  batches = {'image': rng.random((3, 32, 28, 28, 1), dtype=np.float32),
-             'label': rng.integers(0, 10, (3, 32)).astype(np.int32)}
-  kernel_before = np.array(model.conv.kernel[...])
-  metrics = train.train_steps(model, optimizer, None, train.Metrics.empty(), batches)
-  assert train.summarize(metrics, 'train')['train_num_examples'] == 96
-  assert not np.allclose(model.conv.kernel[...], kernel_before)
+  config.model_options.cnn.width = 3
+  with pytest.raises(errors.ConfigError) as error:
+    config_checks.check_config(config)
+  assert (error.value.key, error.value.value) == ('model_options.cnn.width', 3)
 
 
 def test_cifar10_recipe_trains_on_generated_colour_images(tmp_path):
@@ -180,12 +156,11 @@ def test_cifar10_recipe_trains_on_generated_colour_images(tmp_path):
   config_checks.check_config(config)  # The recipe itself is valid as written.
   config.update(dict(data_source='folder', dataset=root, eval_split='test', batch_size=16,
                      eval_batch_size=24, num_epochs=5, learning_rate=0.05,
-                     num_misclassified_images=0))
+                     evaluators='loss|accuracy'))
   config.model_options.resnet.update(widths=(8, 16, 32), blocks_per_stage=1)
   metrics = train.train_and_evaluate(config, str(tmp_path / 'workdir'))
-  assert metrics['eval_num_examples'] == 24
-  assert metrics['eval_accuracy'] >= 0.6, metrics  # 3 classes: chance is 1/3.
-  assert metrics['train_loss'] < np.log(3), metrics
+  assert metrics['eval/accuracy'] >= 0.6, metrics  # 3 classes: chance is 1/3.
+  assert metrics['train/loss_epoch'] < np.log(3), metrics
 
 
 def test_mlp_input_scale_and_init_stddev_options():

@@ -64,6 +64,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     registry.check(config)
   kernels.select_layers(config.cpu_kernels, compute_dtype=config.compute_dtype)
   preprocessing.parse(config.preprocess)
+  input_pipeline.check_input(config)
   check_best_metric(config)
 
 

@@ -148,7 +148,7 @@ class NonFiniteGuard(Hook):
 
   def after_step(self, loop):
     if every(loop.step, self._every) or loop.end_of_epoch:
-      loss = float(loop.state.window.loss.value)
+      loss = float(loop.state.window.loss[...])
       if not math.isfinite(loss):
         self._halt(f'The training loss is {loss} in steps {self._checked + 1}-{loop.step}',
                    loop.step)

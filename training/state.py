@@ -31,19 +31,19 @@ class MetricSums(nnx.Module):
     self.count = nnx.Variable(jnp.zeros((), jnp.int32))
 
   def add(self, logits: jax.Array, labels: jax.Array) -> None:
-    self.loss.value += optax.softmax_cross_entropy_with_integer_labels(logits, labels).sum()
-    self.correct.value += (logits.argmax(axis=-1) == labels).sum(dtype=jnp.int32)
-    self.count.value += labels.shape[0]
+    self.loss[...] += optax.softmax_cross_entropy_with_integer_labels(logits, labels).sum()
+    self.correct[...] += (logits.argmax(axis=-1) == labels).sum(dtype=jnp.int32)
+    self.count[...] += labels.shape[0]
 
   def reset(self) -> None:
     for variable in (self.loss, self.correct, self.count):
-      variable.value = jnp.zeros_like(variable.value)
+      variable[...] = jnp.zeros_like(variable[...])
 
   def results(self, prefix: str = 'train') -> dict[str, float]:
     """{'train/loss', 'train/accuracy'} on the host: means over the examples summed."""
-    count = max(int(self.count.value), 1)
-    return {f'{prefix}/loss': float(self.loss.value) / count,
-            f'{prefix}/accuracy': float(self.correct.value) / count}
+    count = max(int(self.count[...]), 1)
+    return {f'{prefix}/loss': float(self.loss[...]) / count,
+            f'{prefix}/accuracy': float(self.correct[...]) / count}
 
 
 class TrainState(nnx.Module):
