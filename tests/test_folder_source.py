@@ -1,5 +1,5 @@
-"""Image folders: layout, class names, formats, channels, sizes, skipped files, slicing, errors;
-in-memory vs streamed splits; resizing."""
+"""Image folders: layout, class names, formats, channels, sizes, skipped and messy files,
+slicing, errors; in-memory vs streamed splits; resizing."""
 
 import logging
 import os
@@ -10,15 +10,19 @@ import pytest
 import tensorflow as tf
 
 from configs import default
+from core import errors
 import data_sources
 from data_sources import base
 from data_sources import folder_source
 import image_folders
 import input_pipeline
+import preprocessing
+from preprocessing import resize as resize_ops
 from training import config_checks
 
 # PIL's and TensorFlow's JPEG decoders differ in chroma upsampling and rounding.
 _JPEG_TOLERANCE = 8
+
 
 @pytest.fixture(scope='module')
 def shapes_root(tmp_path_factory):
@@ -30,9 +34,13 @@ def shapes_root(tmp_path_factory):
 def _config(root, **overrides):
   config = default.get_config()
   config.update(dict(data_source='folder', dataset=root, eval_split='test', batch_size=8,
-                     num_epochs=2, shuffle_buffer_size=16, image_size=16))
+                     num_epochs=2, shuffle_buffer_size=16, preprocess='resize(16)'))
   config.update(overrides)
   return config
+
+
+def _data(root, **overrides):
+  return input_pipeline.open_data(_config(root, **overrides))
 
 
 def test_classes_sizes_channels_and_skipped_files(shapes_root, caplog):
@@ -46,16 +54,15 @@ def test_classes_sizes_channels_and_skipped_files(shapes_root, caplog):
   assert len(warnings) == 1
   assert 'Skipped 2 files' in warnings[0]
   assert 'broken.png' in warnings[0] and 'notes.txt' in warnings[0]
-  info = source.info(_config(shapes_root))
-  assert info == base.DatasetInfo(name=shapes_root, image_shape=(16, 16, 3), num_classes=3,
-                                  num_train_examples=72, num_eval_examples=24,
-                                  class_names=('centre', 'left half', 'top'))
+  assert _data(shapes_root).info == base.DatasetInfo(
+      name=shapes_root, image_shape=(16, 16, 3), num_classes=3, num_train_examples=72,
+      num_eval_examples=24, class_names=('centre', 'left half', 'top'))
 
 
-def test_varying_sizes_without_image_size_are_refused(shapes_root):
-  source = folder_source.FolderSource(shapes_root)
-  with pytest.raises(base.DataError, match=r'vary in size: set --config.image_size=S'):
-    source.info(_config(shapes_root, image_size=None))
+def test_varying_sizes_without_a_resize_are_refused(shapes_root):
+  with pytest.raises(errors.DataError) as error:
+    _data(shapes_root, preprocess='')
+  assert error.value.what == shapes_root
 
 
 def test_every_format_decodes_to_its_pixels(shapes_root):
@@ -85,25 +92,24 @@ def test_grayscale_folders_have_one_channel_and_gray_files_convert_exactly(tmp_p
     assert all(np.array_equal(rgb[..., channel], gray[..., 0]) for channel in range(3))
 
 
-def test_one_size_needs_no_image_size(tmp_path):
+def test_one_size_needs_no_resize(tmp_path):
   root = str(tmp_path / 'fixed')
   image_folders.make_shapes_folder(root, {'train': 3, 'test': 2}, image_sizes=(10, 10),
                                    corrupt=False)
-  config = _config(root, image_size=None)
-  source = folder_source.FolderSource(root)
-  assert source.info(config).image_shape == (10, 10, 3)
-  split = input_pipeline.open_split(source, 'train', config)
+  data = _data(root, preprocess='')
+  assert data.info.image_shape == (10, 10, 3)
+  split = input_pipeline.open_split(data, 'train', _config(root, preprocess=''))
   assert split.images.shape == (9, 10, 10, 3) and split.images.dtype == np.uint8
 
 
 def test_resize_keeps_uint8_range_and_constant_images():
   constant = tf.fill((2, 13, 7, 3), tf.constant(200, tf.uint8))
-  resized = input_pipeline.resize(constant, (16, 16))
+  resized = resize_ops.resize_images(constant, (16, 16))
   assert resized.dtype == tf.uint8 and resized.shape == (2, 16, 16, 3)
   assert np.all(resized.numpy() == 200)
   noise = tf.constant(np.random.default_rng(0).integers(0, 256, (9, 9, 1)), tf.uint8)
-  assert input_pipeline.resize(noise, (9, 9)) is noise  # Already that size: untouched.
-  shrunk = input_pipeline.resize(noise, (4, 4)).numpy()
+  assert resize_ops.resize_images(noise, (9, 9)) is noise  # Already that size: untouched.
+  shrunk = resize_ops.resize_images(noise, (4, 4)).numpy()
   assert shrunk.shape == (4, 4, 1) and shrunk.min() >= 0 and shrunk.max() <= 255
 
 
@@ -114,51 +120,151 @@ def _rows(images):
 
 def test_slices_partition_a_split_and_mix_classes(shapes_root):
   config = _config(shapes_root, in_memory='always')
-  source = folder_source.FolderSource(shapes_root)
-  halves = [input_pipeline.open_split(source, spec, config)
+  data = input_pipeline.open_data(config)
+  halves = [input_pipeline.open_split(data, spec, config)
             for spec in ('train[:50%]', 'train[50%:]')]
-  whole = input_pipeline.open_split(source, 'train', config)
+  whole = input_pipeline.open_split(data, 'train', config)
   assert [len(half.labels) for half in halves] == [36, 36]
   assert all(len(set(half.labels)) == 3 for half in halves)  # Hash order mixes the classes.
   assert _rows(np.concatenate([half.images for half in halves])) == _rows(whole.images)
 
 
-@pytest.mark.parametrize('make,message', [
-    (lambda root: os.makedirs(root), r'has no split folders: the layout is .*/<split>/<class '
-                                     r'name>/<image file>'),
-    (lambda root: os.makedirs(os.path.join(root, 'train')), r"Split folder '.*train' has no "
-                                                            r'class folders'),
-    (lambda root: os.makedirs(os.path.join(root, 'train', 'cat')),
-     r"Class folder '.*train/cat' holds no readable JPEG/PNG/BMP/GIF image"),
+def _write(path, image, **save_args):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  image.save(path, **save_args)
+
+
+def _one_image(path):
+  _write(path, Image.fromarray(np.zeros((4, 4, 3), np.uint8)))
+
+
+@pytest.mark.parametrize('make,what', [
+    (lambda root: os.makedirs(root), ''),
+    (lambda root: os.makedirs(os.path.join(root, 'train')), 'train'),
+    # Nothing readable anywhere: one line for the whole dataset.
+    (lambda root: os.makedirs(os.path.join(root, 'train', 'cat', 'nested')), ''),
+    (lambda root: (os.makedirs(os.path.join(root, 'train', 'cat', 'nested')),
+                   _one_image(os.path.join(root, 'train', 'dog', '1.png'))), 'train/cat'),
 ])
-def test_bad_layouts_are_one_clear_error(tmp_path, make, message):
+def test_bad_layouts_are_data_errors_naming_the_folder(tmp_path, make, what):
   root = str(tmp_path / 'data')
   make(root)
-  with pytest.raises(base.DataError, match=message):
+  with pytest.raises(errors.DataError) as error:
     data_sources.open_source(_config(root))
+  assert error.value.what == os.path.join(root, what).rstrip('/')
 
 
 def test_missing_root_and_mistyped_split(shapes_root, tmp_path):
   missing = str(tmp_path / 'nowhere')
-  with pytest.raises(config_checks.ConfigError, match=rf"Image folder '{missing}' is not a "
-                                                      r'directory'):
-    config_checks.check_config(_config(missing))
-  source = data_sources.open_source(_config(shapes_root))
-  with pytest.raises(base.DataError, match=r"config.train_split='trian' is not a split of .*"
-                                           r'test.*train'):
-    source.info(_config(shapes_root, train_split='trian'))
+  with pytest.raises(errors.ConfigError) as error:
+    data_sources.open_source(_config(missing))
+  assert (error.value.key, error.value.value) == ('dataset', missing)
+  with pytest.raises(errors.ConfigError) as error:
+    _data(shapes_root, train_split='trian')
+  assert (error.value.key, error.value.value) == ('train_split', 'trian')
 
 
-def _epochs(split, config, **kwargs):
-  chunks = list(input_pipeline.train_batches(split, config, **kwargs))
-  images = np.concatenate([chunk['image'].reshape(-1, 16, 16, 3) for chunk in chunks])
-  return images.reshape(config.num_epochs - kwargs.get('start_epoch', 0), -1, 16, 16, 3)
+def _messy_folder(root):
+  """A colour folder with every kind of messy file a user's photos have, and the good files'
+  expected pixels as displayed (16x16 after the EXIF turn)."""
+  rng = np.random.default_rng(0)
+  expected = {}
+  for name in ('circle', 'square'):
+    for index in range(6):
+      pixels = rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)
+      path = os.path.join(root, 'train', name, f'{index}.png')
+      _write(path, Image.fromarray(pixels))
+      expected[path] = pixels
+  # A nested folder inside a class folder: its images belong to the class.
+  nested = os.path.join(root, 'train', 'circle', 'more', 'deeper.png')
+  pixels = rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)
+  _write(nested, Image.fromarray(pixels))
+  expected[nested] = pixels
+  # A JPEG stored 16 wide x 8 high, displayed turned a quarter (EXIF orientation 6: rotate 90
+  # degrees clockwise to display).
+  stored = np.zeros((8, 16, 3), np.uint8)
+  stored[:, :8] = 255  # Left half white.
+  exif = Image.Exif()
+  exif[0x0112] = 6
+  rotated = os.path.join(root, 'train', 'square', 'rotated.jpg')
+  _write(rotated, Image.fromarray(stored), exif=exif, quality=100)
+  expected[rotated] = np.rot90(stored, k=-1)  # Displayed: 8 wide x 16 high, top half white.
+  # An RGBA PNG: a transparent left half over red, an opaque blue right half.
+  rgba = np.zeros((16, 16, 4), np.uint8)
+  rgba[:, :8] = (255, 0, 0, 0)
+  rgba[:, 8:] = (0, 0, 255, 255)
+  transparent = os.path.join(root, 'train', 'circle', 'transparent.png')
+  _write(transparent, Image.fromarray(rgba, 'RGBA'))
+  expected[transparent] = np.concatenate([np.full((16, 8, 3), 255, np.uint8),
+                                          np.tile(np.uint8([0, 0, 255]), (16, 8, 1))], axis=1)
+  # Damaged files, skipped by name: a truncated JPEG, an empty file, a Thumbs.db.
+  good_jpeg = os.path.join(root, 'spare.jpg')
+  Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(good_jpeg)
+  with open(good_jpeg, 'rb') as file:
+    data = file.read()
+  os.remove(good_jpeg)
+  with open(os.path.join(root, 'train', 'circle', 'truncated.jpg'), 'wb') as file:
+    file.write(data[:len(data) // 2])
+  open(os.path.join(root, 'train', 'square', 'empty.png'), 'wb').close()
+  with open(os.path.join(root, 'train', 'circle', 'Thumbs.db'), 'wb') as file:
+    file.write(b'\x00' * 100)
+  # A class with a single image.
+  _write(os.path.join(root, 'train', 'triangle', 'only.png'),
+         Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)))
+  return expected
+
+
+def test_messy_files_are_skipped_by_name_or_read_as_displayed(tmp_path, caplog):
+  root = str(tmp_path / 'messy')
+  expected = _messy_folder(root)
+  with caplog.at_level(logging.WARNING):
+    source = folder_source.FolderSource(root)
+  warnings = ' '.join(record.getMessage() for record in caplog.records
+                      if record.levelno == logging.WARNING)
+  for name in ('truncated.jpg', 'empty.png', 'Thumbs.db'):
+    assert name in warnings
+  assert 'transparent.png' in warnings and 'white' in warnings
+  assert 'nested' not in warnings and 'deeper' not in warnings
+  assert source.class_names == ('circle', 'square', 'triangle')
+  assert source.num_examples('train') == 6 + 6 + 1 + 1 + 1 + 1
+  decoded = [example['image'] for example in source.examples('train').as_numpy_iterator()]
+  for path, pixels in expected.items():  # Each good file's pixels, as displayed, are there.
+    tolerance = _JPEG_TOLERANCE if path.endswith('.jpg') else 0
+    assert any(image.shape == pixels.shape
+               and np.abs(image.astype(int) - pixels.astype(int)).max() <= tolerance
+               for image in decoded), path
+  header = folder_source.read_header(os.path.join(root, 'train', 'square', 'rotated.jpg'))
+  assert header.size == (16, 8) and header.orientation == 6
+
+
+def test_rare_and_missing_classes_are_named_at_start(tmp_path, caplog):
+  root = str(tmp_path / 'messy')
+  _messy_folder(root)
+  labels = np.array([0] * 12 + [1] * 20, np.int32)
+  with caplog.at_level(logging.WARNING):
+    input_pipeline.log_class_counts(labels, ('circle', 'square', 'triangle'), 'train')
+  warnings = ' '.join(record.getMessage() for record in caplog.records
+                      if record.levelno == logging.WARNING)
+  assert 'triangle' in warnings  # No example in the split.
+  labels = np.array([0] * 12 + [1] * 20 + [2], np.int32)
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    input_pipeline.log_class_counts(labels, ('circle', 'square', 'triangle'), 'train')
+  assert 'triangle (1)' in caplog.text
+
+
+def _epochs(split, config, start_epoch=0, start_step=0):
+  data = input_pipeline.Data(None, preprocessing.parse(config.preprocess), None)
+  batches = list(input_pipeline.train_batches(split, data, config, config.batch_size,
+                                              start_epoch, start_step))
+  images = np.concatenate([batch['image'] for batch in batches])
+  return images.reshape(config.num_epochs - start_epoch, -1, 16, 16, 3)
 
 
 def test_streamed_and_in_memory_give_the_same_examples_per_epoch(shapes_root):
-  source = folder_source.FolderSource(shapes_root)
-  memory = input_pipeline.open_split(source, 'train', _config(shapes_root, in_memory='always'))
-  streamed = input_pipeline.open_split(source, 'train', _config(shapes_root, in_memory='never'))
+  data = _data(shapes_root)
+  memory = input_pipeline.open_split(data, 'train', _config(shapes_root, in_memory='always'))
+  streamed = input_pipeline.open_split(data, 'train', _config(shapes_root, in_memory='never'))
   assert isinstance(memory, base.Split) and isinstance(streamed, input_pipeline.Streamed)
   config = _config(shapes_root)
   in_memory_epochs, streamed_epochs = _epochs(memory, config), _epochs(streamed, config)
@@ -170,24 +276,24 @@ def test_streamed_and_in_memory_give_the_same_examples_per_epoch(shapes_root):
 
 
 def test_streamed_resume_gives_the_uninterrupted_batches(shapes_root):
-  source = folder_source.FolderSource(shapes_root)
-  config = _config(shapes_root, in_memory='never', num_epochs=3, steps_per_dispatch=3,
-                   augment='translate(2)|flip_lr')
-  streamed = input_pipeline.open_split(source, 'train', config)
-  full = list(input_pipeline.train_batches(streamed, config))  # 3 chunks of 3 per epoch.
-  resumed = list(input_pipeline.train_batches(streamed, config, start_epoch=1, start_step=3))
-  assert len(full) == 9 and len(resumed) == 5
-  for got, want in zip(resumed, full[4:]):
+  config = _config(shapes_root, in_memory='never', num_epochs=3,
+                   preprocess='resize(16)|translate(2)|flip_lr')
+  data = input_pipeline.open_data(config)
+  streamed = input_pipeline.open_split(data, 'train', config)
+  batches = lambda *start: list(input_pipeline.train_batches(streamed, data, config, 8, *start))
+  full, resumed = batches(), batches(1, 3)  # 9 batches per epoch.
+  assert len(full) == 27 and len(resumed) == 15
+  for got, want in zip(resumed, full[12:]):
     np.testing.assert_array_equal(got['image'], want['image'])
     np.testing.assert_array_equal(got['label'], want['label'])
 
 
 def test_streamed_eval_batches_read_every_example_once_per_pass(shapes_root):
-  source = folder_source.FolderSource(shapes_root)
-  memory = input_pipeline.open_split(source, 'test', _config(shapes_root, in_memory='always'))
-  streamed = input_pipeline.open_split(source, 'test', _config(shapes_root, in_memory='never'))
-  expected = input_pipeline.eval_batches(memory, batch_size=10, num_batches=4)
-  batches = input_pipeline.eval_batches(streamed, batch_size=10, num_batches=4)
+  data = _data(shapes_root)
+  memory = input_pipeline.open_split(data, 'test', _config(shapes_root, in_memory='always'))
+  streamed = input_pipeline.open_split(data, 'test', _config(shapes_root, in_memory='never'))
+  expected = input_pipeline.eval_batches(memory, data.preprocess, batch_size=10, num_batches=4)
+  batches = input_pipeline.eval_batches(streamed, data.preprocess, batch_size=10, num_batches=4)
   assert isinstance(batches, input_pipeline.StreamedBatches)
   for _ in range(2):  # Every pass reads the split again, in the same order.
     got = list(batches)
@@ -195,7 +301,3 @@ def test_streamed_eval_batches_read_every_example_once_per_pass(shapes_root):
     for got_batch, want_batch in zip(got, expected):
       for key in ('image', 'label', 'mask'):
         np.testing.assert_array_equal(got_batch[key], want_batch[key])
-  images, labels = batches.real_examples(np.asarray)
-  np.testing.assert_array_equal(labels, memory.labels)
-  np.testing.assert_array_equal(images[np.array([23, 0, 11])],
-                                memory.images[[23, 0, 11]].astype(np.float32) / 255.0)

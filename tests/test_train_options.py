@@ -1,4 +1,4 @@
-"""Label smoothing, gradient accumulation, bfloat16 compute and the profiler (config keys)."""
+"""Label smoothing, gradient accumulation, bfloat16 compute, the NaN guard and the profiler."""
 
 import glob
 import os
@@ -11,34 +11,24 @@ import optax
 import pytest
 
 from configs import default
-from data_sources import base
+from core import errors
 import kernels
 from kernels import cpu
 import models
-from training import config_checks
-from training import optimizers
 import train
-
-_INFO = base.DatasetInfo(name='mnist', image_shape=(28, 28, 1), num_classes=10,
-                         num_train_examples=3200, num_eval_examples=100)
+from training import config_checks
+from training import losses
+from training import optimizers
+from training import state as state_lib
+from test_train import INFO
+from test_train import create
+from test_train import random_batch as _batch
 
 
 def _config(**overrides):
   config = default.get_config()
   config.update(overrides)
   return config
-
-
-def _setup(**overrides):
-  model, optimizer, _, _ = train.create_model_and_optimizer(_config(**overrides), _INFO,
-                                                            steps_per_epoch=100)
-  return model, optimizer
-
-
-def _batch(batch_size, seed=0):
-  rng = np.random.default_rng(seed)
-  return {'image': rng.random((batch_size, 28, 28, 1), dtype=np.float32),
-          'label': rng.integers(0, 10, batch_size).astype(np.int32)}
 
 
 def _params(model):
@@ -56,30 +46,36 @@ def test_label_smoothing_loss_equals_the_formula():
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(16, 10)).astype(np.float32) * 3
   labels = rng.integers(0, 10, 16)
-  np.testing.assert_allclose(train.train_loss(logits, labels, 0.1),
+  smoothed = losses.cross_entropy(10, label_smoothing=0.1)
+  plain = losses.cross_entropy(10)
+  np.testing.assert_allclose(smoothed(logits, labels).mean(),
                              _smoothed_cross_entropy(logits, labels, 0.1), rtol=1e-6)
-  np.testing.assert_allclose(train.train_loss(logits, labels),
+  np.testing.assert_allclose(plain(logits, labels).mean(),
                              _smoothed_cross_entropy(logits, labels, 0.0), rtol=1e-6)
-  assert train.train_loss(logits, labels, 0.1) != pytest.approx(train.train_loss(logits, labels))
+  # Soft targets (one-hot here) give the same loss as their labels.
+  np.testing.assert_allclose(smoothed(logits, jax.nn.one_hot(labels, 10)),
+                             smoothed(logits, labels), rtol=1e-6)
 
 
 def test_a_train_step_descends_the_smoothed_loss():
   # Plain SGD: the new parameters are the old minus the learning rate times the gradient of
   # the smoothed loss on the batch.
-  overrides = dict(model='mlp', momentum=0.0, learning_rate=0.5, label_smoothing=0.2)
-  model, optimizer = _setup(**overrides, model_options={'mlp': {'hidden_features': (64,)}})
+  state, train_step = create(model='mlp', learning_rate=0.5,
+                             optimizer_options={'sgd': {'momentum': 0.0}},
+                             loss_options={'cross_entropy': {'label_smoothing': 0.2}},
+                             model_options={'mlp': {'hidden_features': (64,)}})
+  model = state.model
   batch = _batch(32)
   grads = nnx.grad(lambda m: _smoothed_cross_entropy(m(batch['image']), batch['label'], 0.2))(
       model)
   expected = jax.tree.map(lambda p, g: np.asarray(p - 0.5 * g), _params(model),
                           nnx.to_pure_dict(grads))
   logits_before = model(batch['image'])
-  metrics = train.train_steps(model, optimizer, None, train.Metrics.empty(),
-                              jax.tree.map(lambda x: x[None], batch), 0.2)
+  train_step(state, batch)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                _params(model), expected)
   # The logged train loss stays the plain cross-entropy of the logits before the update.
-  np.testing.assert_allclose(metrics.compute()['loss'],
+  np.testing.assert_allclose(state.window.results()['train/loss'],
                              _smoothed_cross_entropy(logits_before, batch['label'], 0.0),
                              rtol=1e-5)
 
@@ -87,32 +83,41 @@ def test_a_train_step_descends_the_smoothed_loss():
 def test_two_accumulated_batches_of_64_update_as_one_batch_of_128():
   batch = _batch(128, seed=3)
   mlp = dict(model='mlp', model_options={'mlp': {'hidden_features': (128, 128)}})
-  model, optimizer = _setup(**mlp, batch_size=128)
-  train.train_steps(model, optimizer, None, train.Metrics.empty(),
-                    jax.tree.map(lambda x: x[None], batch))
-  accumulated, accumulated_optimizer = _setup(**mlp, batch_size=64, grad_accum_steps=2)
-  initial = _params(accumulated)
-  halves = jax.tree.map(lambda x: x.reshape(2, 64, *x.shape[1:]), batch)
-  train.train_steps(accumulated, accumulated_optimizer, None, train.Metrics.empty(),
-                    jax.tree.map(lambda x: x[:1], halves))
+  state, train_step = create(**mlp, batch_size=128)
+  train_step(state, batch)
+  accumulated, accumulated_step = create(**mlp, batch_size=64, grad_accum_steps=2)
+  initial = _params(accumulated.model)
+  halves = [jax.tree.map(lambda x, i=i: x[i * 64:(i + 1) * 64], batch) for i in range(2)]
+  accumulated_step(accumulated, halves[0])
   # The first micro-batch only accumulates its gradient.
-  jax.tree.map(np.testing.assert_array_equal, _params(accumulated), initial)
-  train.train_steps(accumulated, accumulated_optimizer, None, train.Metrics.empty(),
-                    jax.tree.map(lambda x: x[1:], halves))
-  changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), _params(accumulated), initial)
+  jax.tree.map(np.testing.assert_array_equal, _params(accumulated.model), initial)
+  accumulated_step(accumulated, halves[1])
+  changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), _params(accumulated.model),
+                         initial)
   assert all(jax.tree.leaves(changed))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
-               _params(accumulated), _params(model))
+               _params(accumulated.model), _params(state.model))
 
 
 def test_the_schedule_counts_optimizer_updates():
   config = _config(schedule='cosine', num_epochs=2, grad_accum_steps=4)
   schedule = optimizers.create_learning_rate_schedule(config, steps_per_epoch=100)
-  by_step = optimizers.learning_rate_by_step(config, schedule)
-  # 200 steps are 50 updates: the cosine is halfway at update 25, i.e. steps 100 to 103.
+  # 200 steps are 50 updates: the cosine is halfway at update 25, i.e. steps 101 to 104.
   assert float(schedule(25)) == pytest.approx(config.learning_rate / 2)
-  assert float(by_step(100)) == float(by_step(103)) == float(schedule(25))
+  assert (state_lib.learning_rate(config, schedule, 101)
+          == state_lib.learning_rate(config, schedule, 104) == float(schedule(25)))
   assert float(schedule(50)) == pytest.approx(0.0)
+
+
+def test_nonfinite_skip_skips_updates_with_nan_gradients():
+  state, train_step = create(nonfinite='skip')
+  before = _params(state.model)
+  batch = _batch(32)
+  batch['image'][0, 0, 0, 0] = np.nan
+  train_step(state, batch)
+  jax.tree.map(np.testing.assert_array_equal, _params(state.model), before)
+  train_step(state, _batch(32, seed=1))  # A finite batch updates again.
+  assert not all(jax.tree.leaves(jax.tree.map(np.array_equal, _params(state.model), before)))
 
 
 def _float_dtypes(tree):
@@ -146,15 +151,19 @@ def test_bfloat16_training_keeps_float32_state_and_lowers_the_loss():
   config = _config(compute_dtype='bfloat16', learning_rate=0.05)
   config.model_options.cnn.update(conv1_features=8, conv2_features=16, hidden_features=32,
                                   dropout_rate=0.0)
-  model, optimizer, _, _ = train.create_model_and_optimizer(config, _INFO, steps_per_epoch=100)
-  assert isinstance(model.conv1, cpu.Conv)  # The CPU layers on the CPU backend.
+  state = state_lib.create(config, INFO, steps_per_epoch=100)
+  train_step = state_lib.make_train_step(losses.LOSSES.create(config, 10))
+  assert isinstance(state.model.conv1, cpu.Conv)  # The CPU layers on the CPU backend.
   batch = _batch(16)
-  assert nnx.jit(lambda conv, x: conv(x))(model.conv1, batch['image']).dtype == jnp.bfloat16
-  batches = jax.tree.map(lambda x: x[None], batch)
-  losses = [float(train.train_steps(model, optimizer, None, train.Metrics.empty(),
-                                    batches).compute()['loss']) for _ in range(4)]
-  assert np.isfinite(losses).all() and losses[3] < losses[2] < losses[1] < losses[0], losses
-  assert _float_dtypes((model, optimizer)) == {jnp.dtype(jnp.float32)}
+  assert nnx.jit(lambda conv, x: conv(x))(state.model.conv1, batch['image']).dtype == jnp.bfloat16
+  train_losses = []
+  for _ in range(4):
+    train_step(state, batch)
+    train_losses.append(state.window.results()['train/loss'])
+    state.window.reset()
+  assert np.isfinite(train_losses).all(), train_losses
+  assert train_losses[3] < train_losses[2] < train_losses[1] < train_losses[0], train_losses
+  assert _float_dtypes(state) == {jnp.dtype(jnp.float32)}
 
 
 def test_cpu_conv_in_bfloat16_equals_the_stock_conv():
@@ -180,44 +189,47 @@ def test_cpu_conv_in_bfloat16_equals_the_stock_conv():
                                atol=0.1)
 
 
-def test_select_layers_in_float32_is_unchanged_and_refuses_other_dtypes():
+def test_select_layers_in_float32_is_unchanged():
   assert kernels.select_layers('auto', 'cpu', 'float32') is kernels.CPU_LAYERS
-  with pytest.raises(ValueError, match="Unknown compute_dtype 'float16'"):
-    kernels.select_layers('auto', 'cpu', 'float16')
 
 
-@pytest.mark.parametrize('overrides,message', [
-    (dict(label_smoothing=1.0), r'config.label_smoothing=1.0 is invalid: it must be in \[0, 1\)'),
-    (dict(grad_accum_steps=0), r'config.grad_accum_steps=0 is invalid: .* integer >= 1'),
-    (dict(compute_dtype='float16'), r"Unknown compute_dtype 'float16'.*'bfloat16', 'float32'"),
-    (dict(profile_steps=-1), r'config.profile_steps=-1 is invalid'),
+@pytest.mark.parametrize('overrides,key', [
+    (dict(loss_options={'cross_entropy': {'label_smoothing': 1.0}}),
+     'loss_options.cross_entropy'),
+    (dict(grad_accum_steps=0), 'grad_accum_steps'),
+    (dict(compute_dtype='float16'), 'compute_dtype'),
+    (dict(profile_steps=-1), 'profile_steps'),
+    (dict(nonfinite='ignore'), 'nonfinite'),
+    (dict(optimizer_options={'sgd': {'momentum': 1.5}}), 'optimizer_options.sgd'),
+    (dict(optimizer_options={'sgd': {'beta': 0.5}}), 'optimizer_options.sgd.beta'),
 ])
-def test_invalid_values_are_one_line_config_errors(overrides, message):
-  with pytest.raises(config_checks.ConfigError, match=message):
-    config_checks.check_config(_config(**overrides), data_source=False)
+def test_invalid_values_are_config_errors_naming_the_key(overrides, key):
+  with pytest.raises(errors.ConfigError) as error:
+    config = _config(**overrides)
+    config_checks.check_config(config)
+    state_lib.create(config, INFO, 100)  # Values a plug-in judges when it is built.
+    losses.LOSSES.create(config, 10)
+  assert error.value.key == key
 
 
-@pytest.mark.parametrize('overrides,message', [
-    (dict(grad_accum_steps=101), r'config.grad_accum_steps=101 is more than the 100 steps'),
-    (dict(num_epochs=1, profile_steps=96), r'config.profile_steps=96 does not fit in the 100 '
-                                           r'steps .* use at most 95'),
-])
-def test_values_too_large_for_the_data_are_config_errors(overrides, message):
-  config = _config(batch_size=32, **overrides)
-  with pytest.raises(config_checks.ConfigError, match=message):
-    config_checks.check_against_data(config, num_train_examples=3200)
-  config.update({key: 1 for key in overrides if key != 'num_epochs'})
-  config_checks.check_against_data(config, num_train_examples=3200)
+def test_values_too_large_for_the_data_are_config_errors():
+  with pytest.raises(errors.ConfigError) as error:
+    config_checks.check_against_data(_config(batch_size=32, grad_accum_steps=101), INFO, 1)
+  assert (error.value.key, error.value.value) == ('grad_accum_steps', 101)
+  config_checks.check_against_data(_config(batch_size=32, grad_accum_steps=100), INFO, 1)
 
 
 def test_profile_steps_writes_a_trace_for_tensorboard(tfds_data_dir, tmp_path):
-  # Epochs of 8 steps in dispatches of 3, 3 and 2: the trace starts at step 6, the first
-  # dispatch end after the 5 warm-up steps, and stops at step 8.
+  # Epochs of 8 steps: the trace starts after the 5 warm-up steps and spans 2 steps.
   config = _config(data_dir=tfds_data_dir, model='mlp', train_split='train[:256]',
-                   eval_split='test[:100]', batch_size=32, num_epochs=2, steps_per_dispatch=3,
-                   profile_steps=2, num_misclassified_images=0)
+                   eval_split='test[:100]', batch_size=32, num_epochs=2, profile_steps=2,
+                   evaluators='accuracy')
   config.model_options.mlp.hidden_features = (32,)
   workdir = str(tmp_path)
   train.train_and_evaluate(config, workdir)
   traces = glob.glob(os.path.join(workdir, 'plugins', 'profile', '*', '*.xplane.pb'))
   assert len(traces) == 1 and os.path.getsize(traces[0]) > 0, traces
+  with pytest.raises(errors.ConfigError) as error:  # More than the run has left.
+    train.train_and_evaluate(_config(**{**config, 'num_epochs': 3, 'profile_steps': 20}),
+                             str(tmp_path / 'long'))
+  assert error.value.key == 'profile_steps'
