@@ -189,7 +189,7 @@ class ConfusionMatrix(_Confusion):
 
 @EVALUATORS.register('misclassified')
 class Misclassified(Evaluator):
-  """A grid of the first `count` misclassified examples, captioned 'true → predicted'."""
+  """A grid of the first `count` misclassified examples, captioned 'true -> predicted'."""
   name = 'misclassified'
 
   def __init__(self, count: int = 36):

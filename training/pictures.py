@@ -21,11 +21,11 @@ _NUMBER_CELL = 28  # Cells at least this big show their count.
 
 
 def short_name(name: str, limit: int = _NAME_CHARS) -> str:
-  """`name` cut to `limit` characters, with an ellipsis in its middle if it was longer."""
+  """`name` cut to `limit` characters, with '..' in its middle if it was longer."""
   if len(name) <= limit:
     return name
-  head = (limit - 1) // 2
-  return f'{name[:head]}…{name[len(name) - (limit - 1 - head):]}'
+  head = (limit - 2) // 2
+  return f'{name[:head]}..{name[len(name) - (limit - 2 - head):]}'
 
 
 def _text_width(text: str) -> int:
@@ -35,11 +35,14 @@ def _text_width(text: str) -> int:
 def _shade(share: float, diagonal: bool) -> tuple[int, int, int]:
   """Blue for correct predictions, red for errors; the larger the row's share, the darker.
 
-  Errors are shaded by the square root of their share, so that a cell holding 1% of its row is
-  still visibly pink beside white cells that hold none.
+  Any error is tinted, and errors are shaded by the square root of their share, so that a cell
+  holding 1% of its row is plainly pink beside the white cells that hold none.
   """
-  strength = share if diagonal else math.sqrt(share)
-  light = int(round(255 * (1 - 0.85 * strength)))
+  if diagonal:
+    strength = 0.85 * share
+  else:
+    strength = 0.15 + 0.7 * math.sqrt(share) if share > 0 else 0.0
+  light = int(round(255 * (1 - strength)))
   return (light, light, 255) if diagonal else (255, light, light)
 
 
@@ -60,13 +63,16 @@ def confusion_matrix(counts: np.ndarray, class_names: tuple[str, ...] = ()) -> n
   size = (left + num_classes * cell + 4, top + num_classes * cell + _FONT_SIZE + 10)
   image = Image.new('RGB', size, 'white')
   draw = ImageDraw.Draw(image)
-  draw.text((left, 2), 'predicted →', fill='black', font=_FONT)
-  draw.text((4, 2), 'true ↓', fill='black', font=_FONT)
+  draw.text((left, 2), 'predicted (columns)', fill='black', font=_FONT)
+  draw.text((4, 2), 'true (rows)', fill='black', font=_FONT)
   shares = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
-  for k in range(0, num_classes, every):
+  # Columns are labelled by index, as far apart as the widest index needs.
+  column_every = every * math.ceil((_text_width(str(num_classes - 1)) + 6) / (cell * every))
+  for k in range(0, num_classes, column_every):
     index = str(k)
     draw.text((left + k * cell + (cell - _text_width(index)) / 2, _FONT_SIZE + 6), index,
               fill='black', font=_FONT)
+  for k in range(0, num_classes, every):
     draw.text((4, top + k * cell + (cell - _FONT_SIZE) / 2 - 2), row_labels[k], fill='black',
               font=_FONT)
   for (true, predicted), count in np.ndenumerate(counts):
@@ -95,9 +101,9 @@ def displayable(images: np.ndarray) -> np.ndarray:
 def misclassified_grid(images: np.ndarray, labels: np.ndarray, predictions: np.ndarray,
                        class_names: tuple[str, ...] = ()) -> np.ndarray:
   """A uint8 RGB grid of `images` (N, H, W, C) as the model saw them, each captioned
-  'true → predicted' with class names."""
+  'true -> predicted' with class names."""
   names = class_names or tuple(map(str, range(int(max(labels.max(), predictions.max())) + 1)))
-  captions = [f'{short_name(names[label], 9)} → {short_name(names[predicted], 9)}'
+  captions = [f'{short_name(names[label], 9)} -> {short_name(names[predicted], 9)}'
               for label, predicted in zip(labels, predictions)]
   num, height, width, _ = images.shape
   scale = max(1, math.ceil(_MIN_TILE / max(height, width)))
