@@ -90,6 +90,14 @@ def check_input(config: ml_collections.ConfigDict) -> None:
         f"config.in_memory='never' streams splits from their files, which data_source "
         f"{config.data_source!r} cannot: use in_memory='auto' or 'always', or a data source "
         f'that streams ({", ".join(streaming)}).', key='in_memory', value='never')
+  if config.input_backend == 'torch':
+    try:
+      import torch  # pylint: disable=g-import-not-at-top,unused-import  (optional)
+    except ImportError as error:
+      raise errors.MissingPackage(
+          "config.input_backend='torch' needs the 'torch' package, which is not installed: pip "
+          'install -r requirements-extras.txt (or pip install torch).', key='input_backend',
+          value='torch', package='torch') from error
   if config.input_backend == 'torch' and (config.in_memory == 'never'
                                           or preprocessing.parse(config.preprocess).random_ops):
     raise errors.ConfigError(
