@@ -28,6 +28,7 @@ from ml_collections import config_flags
 import tensorflow as tf
 
 from core import cli
+from configs import default
 from core import errors
 from modes import evaluate
 from modes import export
@@ -66,7 +67,9 @@ def load_config() -> ml_collections.ConfigDict:
   saved = workdirs.saved_config(FLAGS.workdir) if os.path.isdir(FLAGS.workdir) else None
   if saved is None or (FLAGS.mode == 'train' and FLAGS['config'].present):
     return FLAGS.config
-  config = ml_collections.ConfigDict(saved.to_dict())
+  # Keys added to the app since the workdir was trained take their defaults.
+  config = default.get_config()
+  config.update(saved)
   for key, value in config_flags.get_override_values(FLAGS['config']).items():
     *parents, name = key.split('.')
     section = config

@@ -1,6 +1,7 @@
 """Trains and evaluates an NNX image classifier: the story of one run, top to bottom."""
 
 import concurrent.futures
+import itertools
 import os
 import time
 
@@ -62,15 +63,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   writer = summaries.create_writer(workdir)
   with runtime.StopSignals(jax.process_count()) as signals:
+    place = lambda batch: parallel.shard(batch, mesh)
+    batch_size = parallel.local_batch_size(config.batch_size)
+
+    def epoch_tail(epoch: int):
+      """The last config.precise_bn_batches training batches of `epoch`, again."""
+      start = max(steps_per_epoch - config.precise_bn_batches, 0)
+      return map(place, itertools.islice(input_pipeline.train_batches(
+          train_split, data, config, batch_size, epoch, start), steps_per_epoch - start))
+
     run_hooks = _hooks(config, workdir, loop, checkpoints, writer, eval_split, eval_batches,
-                       signals)
+                       epoch_tail, signals)
     _resume(loop, checkpoints, run_hooks, writer)
     logging.info('Training for %d epochs of %d steps (batch %d), from step %d.',
                  config.num_epochs, steps_per_epoch, config.batch_size, loop.step)
-    batches = input_pipeline.train_batches(
-        train_split, data, config, parallel.local_batch_size(config.batch_size),
-        *divmod(loop.step, steps_per_epoch))
-    hooks.run(loop, run_hooks, batches, train_step, lambda batch: parallel.shard(batch, mesh))
+    batches = input_pipeline.train_batches(train_split, data, config, batch_size,
+                                           *divmod(loop.step, steps_per_epoch))
+    hooks.run(loop, run_hooks, batches, train_step, place)
   if signals.received is not None:
     writer.close()
     checkpoints.close()
@@ -135,7 +144,7 @@ def _compile(config, state: state_lib.TrainState, eval_split: evaluation.Evaluat
 
 
 def _hooks(config, workdir: str, loop: hooks.Loop, checkpoints: checkpointing.Checkpoints,
-           writer, eval_split: evaluation.Evaluation, eval_batches,
+           writer, eval_split: evaluation.Evaluation, eval_batches, epoch_tail,
            signals: runtime.StopSignals) -> list[hooks.Hook]:
   """The loop's hooks, in the order they run after each step."""
   guard = (hooks.NonFiniteGuard(checkpoints, config.log_every_steps)
@@ -145,8 +154,11 @@ def _hooks(config, workdir: str, loop: hooks.Loop, checkpoints: checkpointing.Ch
   if config.profile_steps:
     run_hooks.append(hooks.Profiler(workdir, config.profile_steps))
   run_hooks += [guard] if guard else []
-  run_hooks += [hooks.TrainMetrics(writer, schedule, config.log_every_steps, config.batch_size),
-                hooks.Evaluate(eval_split, eval_batches, writer)]
+  run_hooks.append(hooks.TrainMetrics(writer, schedule, config.log_every_steps,
+                                      config.batch_size))
+  if config.precise_bn_batches and state_lib.has_batch_norm(loop.state.model):
+    run_hooks.append(hooks.PreciseBatchNorm(epoch_tail))
+  run_hooks.append(hooks.Evaluate(eval_split, eval_batches, writer))
   if config.early_stopping_patience:
     run_hooks.append(hooks.EarlyStopping(
         config.best_metric, config_checks.check_best_metric(config),

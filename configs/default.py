@@ -95,6 +95,10 @@ def get_config() -> ml_collections.ConfigDict:
   # misclassified(count) (pictures in TensorBoard).
   config.evaluators = 'loss|accuracy|confusion_matrix|misclassified(36)'
   config.eval_batch_size = 1000  # Examples per eval step; the last batch is padded and masked.
+  # Before every eval, BatchNorm's statistics are recomputed with the current weights over the
+  # epoch's last this many training batches ("precise BN"); 0 = the running averages as
+  # trained, which lag the weights (docs/training_options.md).
+  config.precise_bn_batches = 20
   # The eval scalar that picks the best checkpoint (kept besides the newest ones) and drives
   # early stopping, e.g. 'eval/accuracy' or 'eval/loss' (its direction comes from its
   # evaluator).

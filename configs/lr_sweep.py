@@ -13,5 +13,6 @@ def get_config() -> ml_collections.ConfigDict:
 
 
 def get_sweep() -> dict[str, list]:
-  """Values of config keys to sweep: sweep.py runs their product (--sweep flags add keys)."""
+  """Values of config keys to sweep: sweep.py runs their product, a trial per combination in
+  <workdir>/trial_0000 to trial_0005 (--sweep flags add keys)."""
   return {'learning_rate': [0.01, 0.05, 0.1], 'batch_size': [64, 128]}

@@ -1,2 +1,2 @@
 """sweep.py's parts: the sweep spec (spec.py), main.py runs and their results (runs.py), and
-the Optuna search (search.py)."""
+the Optuna study that runs them (engine.py)."""

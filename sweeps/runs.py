@@ -1,9 +1,6 @@
 """A sweep's main.py runs, each in its own directory: launching, stopping, metrics, results."""
 
-import contextlib
 import csv
-import fcntl
-import logging as std_logging
 import os
 import signal
 import subprocess
@@ -12,20 +9,12 @@ import threading
 from typing import Callable
 
 from absl import logging
-from tensorboard.backend.event_processing import event_accumulator
-import tensorflow as tf
 
-from sweeps import spec
+from training import summaries
 
 MAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'main.py')
-POLL_SECONDS = 2  # How often a running trial's TensorBoard files are read (for pruning).
-# TensorBoard's file reader logs every file it opens, at each read of a running trial.
-std_logging.getLogger('tensorboard').setLevel(std_logging.WARNING)
-
-
-def maximized(metric: str) -> bool:
-  """Whether larger values of `metric` are better: all but losses."""
-  return not metric.endswith('loss')
+POLL_SECONDS = 2  # How often a running trial's metrics.jsonl is read (for pruning).
+TEST_METRIC = 'test/accuracy'  # Written once, by the best checkpoint, when a run has a test split.
 
 
 class Launcher:
@@ -52,13 +41,14 @@ class Launcher:
       for process in self._running:
         process.send_signal(signal.SIGTERM)
 
-  def run(self, name: str, run_dir: str, args: tuple[str, ...],
+  def run(self, run_dir: str, args: tuple[str, ...],
           should_stop: Callable[[], bool] | None = None) -> int | None:
     """Runs main.py in `run_dir` with `args`; returns its exit code (None: the sweep stopped).
 
     While it runs, `should_stop()` is called every POLL_SECONDS; once it returns True the run
     gets a SIGTERM (it saves a checkpoint and exits).
     """
+    name = os.path.basename(run_dir)
     os.makedirs(run_dir, exist_ok=True)
     log_file = os.path.join(run_dir, 'main.log')
     with open(log_file, 'a') as log:
@@ -94,44 +84,20 @@ class Launcher:
     return returncode
 
 
-@contextlib.contextmanager
-def hold(workdir: str):
-  """Holds the sweep's workdir until the block ends; SweepError if another sweep holds it.
-
-  A second sweep.py there would take this one's running runs for interrupted ones and run them
-  again. The `flock` ends with the process, however it ends.
-  """
-  with open(os.path.join(workdir, 'sweep.lock'), 'a') as lock:
-    try:
-      fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      raise spec.SweepError(f'{workdir} is in use by another sweep.py: wait for it to end or '
-                            'stop it, or pass another --workdir.') from None
-    yield
+def evals(run_dir: str, metric: str) -> list[float]:
+  """The run's values of `metric` in step order: one per eval, so the k-th is epoch k's."""
+  metrics = summaries.read_metrics(run_dir)
+  return [metrics[step][metric] for step in sorted(metrics) if metric in metrics[step]]
 
 
-def scalars(run_dir: str, tags: list[str]) -> dict[str, list[float]]:
-  """Each tag's values in the run's TensorBoard files, by step (the last write of a step wins)."""
-  accumulator = event_accumulator.EventAccumulator(run_dir, size_guidance={'tensors': 0})
-  accumulator.Reload()
-  written = set(accumulator.Tags()['tensors'])
-  values = {}
-  for tag in tags:
-    events = sorted(accumulator.Tensors(tag), key=lambda e: e.wall_time) if tag in written else []
-    by_step = {event.step: float(tf.make_ndarray(event.tensor_proto)) for event in events}
-    values[tag] = [by_step[step] for step in sorted(by_step)]
-  return values
-
-
-def summarize(run_dir: str, metric: str) -> dict[str, float | int | None]:
-  """best_<metric> and final_<metric> over the run's evals, their number, and test_accuracy
+def summarize(run_dir: str, metric: str, maximize: bool) -> dict[str, float | int | None]:
+  """best_<metric> and final_<metric> over the run's evals, their number, and test/accuracy
   when the run wrote one."""
-  values = scalars(run_dir, [metric, 'test_accuracy'])
-  evals = values[metric]
-  summary = {f'best_{metric}': (max if maximized(metric) else min)(evals) if evals else None,
-             f'final_{metric}': evals[-1] if evals else None, 'epochs': len(evals)}
-  if values['test_accuracy']:
-    summary['test_accuracy'] = values['test_accuracy'][-1]
+  values = evals(run_dir, metric)
+  summary = {f'best_{metric}': (max if maximize else min)(values) if values else None,
+             f'final_{metric}': values[-1] if values else None, 'epochs': len(values)}
+  if tests := evals(run_dir, TEST_METRIC):
+    summary[TEST_METRIC] = tests[-1]
   return summary
 
 
@@ -139,16 +105,17 @@ def _cell(column: str, value) -> str:
   if value is None:
     return ''
   if isinstance(value, float):
-    if column.endswith(('accuracy', 'loss')):
+    if '/' in column:  # A metric (swept keys have dots, not slashes).
       return f'{value:.4f}'
     return f'{value:.1f}' if column == 'wall_time_s' else f'{value:.4g}'  # Else sampled values.
   return str(value)
 
 
-def write_results(rows: list[dict], columns: list[str], metric: str, workdir: str) -> str:
+def write_results(rows: list[dict], columns: list[str], metric: str, maximize: bool,
+                  workdir: str) -> str:
   """Writes `rows`, best `metric` first, as sweep_results.csv and .md; returns the markdown."""
   best = f'best_{metric}'
-  sign = -1 if maximized(metric) else 1
+  sign = -1 if maximize else 1
   rows = sorted(rows, key=lambda row: (row.get(best) is None, sign * (row.get(best) or 0)))
   with open(os.path.join(workdir, 'sweep_results.csv'), 'w', newline='') as f:
     writer = csv.DictWriter(f, columns, extrasaction='ignore')

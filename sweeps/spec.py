@@ -11,6 +11,7 @@ TPE search picks among the values), or a range, for a random or TPE search only:
 
 import dataclasses
 import importlib.util
+import itertools
 import math
 import re
 
@@ -18,6 +19,7 @@ from absl import flags
 from ml_collections import config_flags
 import optuna
 
+from core import errors
 from training import config_checks
 
 RANGE_KINDS = ('uniform', 'loguniform', 'int', 'choice')
@@ -26,8 +28,13 @@ _RANGE_START = re.compile(r'\s*[A-Za-z_]\w*\s*\(')  # 'name(' opens a range, kno
 _RANGE = re.compile(r'\s*([A-Za-z_]\w*)\s*\((.*)\)\s*', re.DOTALL)
 
 
-class SweepError(config_checks.ConfigError):
-  """A sweep spec or sweep workdir that cannot work; the message names the problem."""
+class SweepError(errors.ConfigError):
+  """A sweep spec or sweep workdir that cannot work: `value` is the text, value or directory at
+  fault, and `param` the swept config key it concerns (None when it concerns the whole sweep)."""
+  label = 'Sweep error'
+
+  def __init__(self, message: str, value=None, param: str | None = None):
+    super().__init__(message, key='sweep', value=value, param=param)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,11 +57,11 @@ def parse_values(key: str, text: str) -> Values:
   match = _RANGE.fullmatch(text)
   if not match:
     raise SweepError(f'Sweep of {key!r}: {text!r} is not a complete range; write one of '
-                     f'{RANGE_FORMS}.')
+                     f'{RANGE_FORMS}.', text, key)
   kind, inner = match.groups()
   if kind not in RANGE_KINDS:
     raise SweepError(f'Sweep of {key!r}: unknown distribution {kind!r} in {text!r}; use '
-                     f'{RANGE_FORMS}.')
+                     f'{RANGE_FORMS}.', text, key)
   args = tuple(arg.strip() for arg in inner.split(','))
   if kind == 'choice':
     return Range(kind, args)
@@ -63,11 +70,12 @@ def parse_values(key: str, text: str) -> Values:
     low, high = (number(arg) for arg in args)
   except ValueError:
     raise SweepError(f'Sweep of {key!r}: {text!r} needs two bounds that are {numbers}: '
-                     f'{kind}(a,b).') from None
+                     f'{kind}(a,b).', text, key) from None
   if not (math.isfinite(low) and math.isfinite(high) and low < high):
-    raise SweepError(f'Sweep of {key!r}: {text!r} needs finite bounds a < b.')
+    raise SweepError(f'Sweep of {key!r}: {text!r} needs finite bounds a < b.', text, key)
   if kind == 'loguniform' and low <= 0:
-    raise SweepError(f'Sweep of {key!r}: {text!r} needs 0 < a (a log scale has no 0).')
+    raise SweepError(f'Sweep of {key!r}: {text!r} needs 0 < a (a log scale has no 0).', text,
+                     key)
   return Range(kind, (low, high))
 
 
@@ -78,9 +86,9 @@ def parse_sweep_flags(specs: list[str]) -> dict[str, Values]:
     key, sep, values = spec.partition('=')
     if not sep or not key:
       raise SweepError(f"--sweep={spec!r} is not of the form 'key=value1,value2,...' or "
-                       "'key=uniform(a,b)'.")
+                       "'key=uniform(a,b)'.", spec)
     if key in sweep:
-      raise SweepError(f'--sweep gives {key!r} twice: put all its values in one flag.')
+      raise SweepError(f'--sweep gives {key!r} twice: put all its values in one flag.', spec, key)
     sweep[key] = parse_values(key, values)
   return sweep
 
@@ -105,7 +113,7 @@ def sweep_from_config_file(config_file: str) -> dict[str, Values]:
       sweep[key] = [str(value) for value in values]
     else:
       raise SweepError(f'get_sweep() of {path} gives {key!r} {values!r}: give a list of values '
-                       f"or a range string such as 'uniform(0.5,0.9)'.")
+                       f"or a range string such as 'uniform(0.5,0.9)'.", values, key)
   return sweep
 
 
@@ -135,71 +143,87 @@ def check_key(config, key: str, values: Values, overrides: dict[str, str]) -> No
   if _lookup(config, key) is _MISSING:
     raise SweepError(f'Sweep key {key!r} is not in the config; valid keys: '
                      f'{", ".join(sorted(config))} (nested ones with dots, such as '
-                     "'model_options.cnn.dropout_rate').")
+                     "'model_options.cnn.dropout_rate').", key, key)
   if key in overrides:
-    raise SweepError(f'config.{key} is both swept and set by --config.{key}: drop one.')
+    raise SweepError(f'config.{key} is both swept and set by --config.{key}: drop one.',
+                     overrides[key], key)
   if isinstance(values, Range):
     if values.kind != 'choice':
       return
     values = list(values.values)
   if not values or '' in values:
     raise SweepError(f'Sweep of {key!r} has an empty value list or an empty value: '
-                     f"{','.join(values)!r}; give values like '{key}=a,b'.")
+                     f"{','.join(values)!r}; give values like '{key}=a,b'.", ','.join(values),
+                     key)
   if len(set(values)) < len(values):
-    raise SweepError(f'Sweep of {key!r} repeats a value: {values}.')
+    raise SweepError(f'Sweep of {key!r} repeats a value: {values}.', ','.join(values), key)
 
 
-def _checked_value(config_file: str, base_args: tuple[str, ...], key: str, value):
-  """`key`'s value in the config of `--config.key=value` (typed), checked by check_config."""
+def _checked_config(config_file: str, flag_args: tuple[str, ...], point: str, value,
+                    key: str | None = None):
+  """The config of `flag_args`, checked by check_config; SweepError naming `point` if it fails."""
   try:
-    config = resolve_config(config_file, (*base_args, f'--config.{key}={value}'))
+    config = resolve_config(config_file, flag_args)
     config_checks.check_config(config)
-  except (flags.Error, config_checks.ConfigError) as error:
-    raise SweepError(f'Sweep of {key!r}, value {value}: {error}') from error
-  return _lookup(config, key)
+  except (flags.Error, errors.ConfigError) as error:
+    raise SweepError(f'Sweep of {point}: {error}', value, key) from error
+  return config
 
 
-def search_space(config_file: str, overrides: dict[str, str],
-                 sweep: dict[str, Values]) -> dict[str, optuna.distributions.BaseDistribution]:
+def search_space(config_file: str, overrides: dict[str, str], sweep: dict[str, Values],
+                 grid: bool) -> dict[str, optuna.distributions.BaseDistribution]:
   """The Optuna distribution of every swept key, checked before anything runs.
 
-  A list of values searches like a choice(). Every bound and choice is checked in a config
-  (check_config); a numeric range needs a numeric key, and an integer key needs int(a,b).
+  A list of values searches like a choice(); a `grid` takes lists only, and every point of its
+  product is checked. Every bound and choice is checked in a config (check_config); a numeric
+  range needs a numeric key, and an integer key needs int(a,b).
   """
   if not sweep:
-    raise SweepError("Nothing to search: pass --sweep='key=uniform(a,b)' (or another range) or "
-                     f'define get_sweep() in {config_file}.')
-  base_args = override_args(overrides)
+    raise SweepError("Nothing to sweep: pass --sweep='key=v1,v2,...' (or a range such as "
+                     f"'key=uniform(a,b)') or define get_sweep() in {config_file}.")
+  base_args = args(overrides)
   config = resolve_config(config_file, base_args)
   space = {}
   for key, values in sweep.items():
     check_key(config, key, values, overrides)
+    if grid and isinstance(values, Range):
+      raise SweepError(f"Sweep of {key!r} is a range, {values}: a grid runs lists of values "
+                       f"('{key}=v1,v2,...'); search ranges with --search=random or "
+                       '--search=tpe.', str(values), key)
     if isinstance(values, Range) and values.kind != 'choice':
       current = _lookup(config, key)
       if isinstance(current, bool) or not isinstance(current, (int, float)):
         raise SweepError(f'Sweep of {key!r}: {values} is a numeric range, but config.{key} is '
-                         f'{current!r}; give its values as choice(v1,v2,...).')
+                         f'{current!r}; give its values as choice(v1,v2,...).', str(values), key)
       if isinstance(current, int) and values.kind != 'int':
         raise SweepError(f'Sweep of {key!r}: config.{key} is an integer ({current}): use '
-                         f'int(a,b), not {values}.')
+                         f'int(a,b), not {values}.', str(values), key)
       for bound in values.values:
-        _checked_value(config_file, base_args, key, bound)
+        _checked_config(config_file, (*base_args, f'--config.{key}={bound}'),
+                        f'{key!r}, value {bound}', bound, key)
       low, high = values.values
       space[key] = (optuna.distributions.IntDistribution(low, high) if values.kind == 'int' else
                     optuna.distributions.FloatDistribution(low, high,
                                                            log=values.kind == 'loguniform'))
       continue
     texts = values.values if isinstance(values, Range) else values
-    typed = [_checked_value(config_file, base_args, key, text) for text in texts]
+    typed = [_lookup(_checked_config(config_file, (*base_args, f'--config.{key}={text}'),
+                                     f'{key!r}, value {text}', text, key), key)
+             for text in texts]
     # Optuna stores choices of these types only; others (tuples) are kept as their flag text.
     choices = [value if isinstance(value, (bool, int, float, str)) else text
                for value, text in zip(typed, texts)]
     if len(set(choices)) < len(choices):
-      raise SweepError(f'Sweep of {key!r} repeats a value: {list(texts)}.')
+      raise SweepError(f'Sweep of {key!r} repeats a value: {list(texts)}.', ','.join(texts), key)
     space[key] = optuna.distributions.CategoricalDistribution(choices)
+  if grid and len(space) > 1:  # Values that pass alone may not together (warmup > epochs).
+    for point in itertools.product(*[[(key, value) for value in distribution.choices]
+                                     for key, distribution in space.items()]):
+      text = ','.join(f'{key}={value}' for key, value in point)
+      _checked_config(config_file, base_args + args(dict(point)), f'the grid point {text}', text)
   return space
 
 
-def override_args(overrides: dict[str, str]) -> tuple[str, ...]:
-  """The `--config.<key>=<value>` flags of `overrides`, for main.py."""
-  return tuple(f'--config.{key}={value}' for key, value in overrides.items())
+def args(params: dict) -> tuple[str, ...]:
+  """The `--config.<key>=<value>` flags of main.py that set `params` (or overrides)."""
+  return tuple(f'--config.{key}={value}' for key, value in params.items())

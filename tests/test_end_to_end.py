@@ -1,5 +1,8 @@
-"""A short real-MNIST run through main.py, read back from its TensorBoard event files."""
+"""A short real-MNIST run through main.py as a user sees it: a quiet console, a closing summary,
+TensorBoard and metrics.jsonl, a rerun that says it is done, and modes that need only --workdir.
+"""
 
+import json
 import os
 import subprocess
 import sys
@@ -9,14 +12,16 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 import tensorflow as tf
 
-pytestmark = pytest.mark.slow  # Launches main.py / the benchmark on real MNIST.
+from training import summaries
+
+pytestmark = pytest.mark.slow  # Launches main.py on real MNIST.
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TAGS = {'train_loss', 'train_accuracy', 'eval_loss', 'eval_accuracy', 'eval_num_examples',
-        'learning_rate', 'steps_per_sec'}
+TAGS = {'train/loss', 'train/accuracy', 'eval/loss', 'eval/accuracy', 'learning_rate',
+        'train/examples_per_sec'}
 
 
-def _scalars(workdir):
+def scalars(workdir):
   """{tag: [(step, value)]} of every scalar summary in the event files of `workdir`."""
   accumulator = event_accumulator.EventAccumulator(workdir, size_guidance={'tensors': 0})
   accumulator.Reload()
@@ -26,21 +31,55 @@ def _scalars(workdir):
           if accumulator.SummaryMetadata(tag).plugin_data.plugin_name == 'scalars'}
 
 
+def main(*args, timeout=900):
+  return subprocess.run([sys.executable, 'main.py', *args], cwd=ROOT, capture_output=True,
+                        text=True, timeout=timeout)
+
+
 def test_short_real_mnist_run(tfds_data_dir, tmp_path):
   workdir = str(tmp_path / 'run')
   # 300 steps of batch 128 on the first 38,400 training images, then eval on all 10,000.
-  result = subprocess.run(
-      [sys.executable, 'main.py', '--config=configs/default.py', f'--workdir={workdir}',
-       f'--config.data_dir={tfds_data_dir}', '--config.num_epochs=1',
-       '--config.train_split=train[:38400]'],
-      cwd=ROOT, capture_output=True, text=True, timeout=900)
+  flags = ['--config=configs/default.py', f'--workdir={workdir}',
+           f'--config.data_dir={tfds_data_dir}', '--config.num_epochs=1',
+           '--config.train_split=train[:38400]']
+  result = main(*flags)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert 'epoch 1/1:' in result.stderr
+  log = result.stderr
+  assert 'epoch 1/1:' in log
+  # Quiet: the libraries' start-up notices and INFO lines are hidden; the run ends by saying
+  # what it achieved and where everything is.
+  for noise in ('oneDNN', 'absl::InitializeLog', "Unable to initialize backend 'tpu'",
+                'dataset_info.py', 'Dl Completed', 'cpu_feature_guard'):
+    assert noise not in log, noise
+  summary = log[log.index('Done in'):]
+  for expected in ('eval/accuracy', 'kept as --checkpoint=best', os.path.join(workdir,
+                   'checkpoints'), summaries.METRICS_FILE, f'tensorboard --logdir {workdir}',
+                   f'--workdir={workdir} --mode=predict'):
+    assert expected in summary, expected
 
-  scalars = _scalars(workdir)
-  assert TAGS <= set(scalars), f'missing tags: {TAGS - set(scalars)}'
-  assert scalars['eval_num_examples'] == [(300, 10_000.0)]
-  (step, accuracy), = scalars['eval_accuracy']
+  board = scalars(workdir)
+  assert TAGS <= set(board), f'missing tags: {TAGS - set(board)}'
+  (step, accuracy), = board['eval/accuracy']
   assert step == 300 and accuracy > 0.95, accuracy
-  assert [step for step, _ in scalars['train_loss']] == [100, 200, 300]
-  assert scalars['train_loss'][-1][1] < scalars['train_loss'][0][1]
+  assert [step for step, _ in board['train/loss']] == [100, 200, 300]
+  assert board['train/loss'][-1][1] < board['train/loss'][0][1]
+  # metrics.jsonl holds the same scalars.
+  metrics = summaries.read_metrics(workdir)
+  assert metrics[300]['eval/accuracy'] == pytest.approx(accuracy)
+  assert [step for step in metrics if 'train/loss' in metrics[step]] == [100, 200, 300]
+
+  # A rerun of the finished run says so, before reading any data.
+  again = main(*flags)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert 'This run finished already (epoch 1 of 1)' in again.stderr
+  assert 'Dataset:' not in again.stderr
+
+  # Eval, predict and export read the workdir's config: --workdir is all they need.
+  evaluated = main(f'--workdir={workdir}', '--mode=eval', '--config.eval_split=test[:500]')
+  assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+  with open(os.path.join(workdir, 'eval_test_500_300.json'), encoding='utf-8') as file:
+    report = json.load(file)
+  assert report['num_examples'] == 500 and 'eval/accuracy' in report['metrics']
+  exported = main(f'--workdir={workdir}', '--mode=export')
+  assert exported.returncode == 0, exported.stderr[-3000:]
+  assert 'It takes uint8 images (batch, height, width, 1), pixels 0-255' in exported.stdout

@@ -11,14 +11,13 @@ import sys
 import numpy as np
 import pytest
 
-from data_sources import tfds_source
-
-from data_sources import base
-
-from training import config_checks
-import input_pipeline
 from configs import default
-from test_end_to_end import _scalars  # pytest puts tests/ on sys.path.
+from core import errors
+from data_sources import base
+import input_pipeline
+import preprocessing
+from training import config_checks
+from test_end_to_end import scalars  # pytest puts tests/ on sys.path.
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,18 +29,17 @@ _FOUR_DEVICE_SCRIPT = r'''
 import json, sys
 import jax, numpy as np
 from flax import nnx
-import input_pipeline, models, train
-from data_sources import tfds_source
-from training import optimizers, parallel
+import input_pipeline
+from training import evaluation, evaluators, losses, parallel, state as state_lib
 from configs import default
 
 config = default.get_config()
 config.data_dir = sys.argv[1]
 config.eval_batch_size = 1001  # Rounded up to 1004 on 4 devices: padding must stay masked.
-source = tfds_source.TfdsSource('mnist', config.data_dir)
-split = source.load_split('train[:384]')
-batches = {'image': split.images.reshape(3, 1, 128, 28, 28, 1).astype(np.float32) / 255,
-           'label': split.labels.reshape(3, 1, 128)}
+data = input_pipeline.open_data(config)
+split = data.source.load_split('train[:384]')
+batches = {'image': split.images.reshape(3, 128, 28, 28, 1).astype(np.float32) / 255,
+           'label': split.labels.reshape(3, 128)}
 compiles = []
 jax.monitoring.register_event_duration_secs_listener(
     lambda event, duration, **kwargs: compiles.append(event)
@@ -52,25 +50,26 @@ for name, mesh in (('one', jax.make_mesh((1,), ('data',), axis_types=auto,
                                          devices=jax.devices()[:1])),
                    ('four', parallel.create_mesh())):
   with jax.set_mesh(mesh):
-    model = models.create_model(config, (28, 28, 1), 10, nnx.Rngs(config.seed))
-    schedule = optimizers.create_learning_rate_schedule(config, steps_per_epoch=3)
-    optimizer = nnx.Optimizer(model, optimizers.create_optimizer(config, schedule), wrt=nnx.Param)
-    metrics = train.Metrics.empty()
+    state = state_lib.create(config, data.info, steps_per_epoch=3)
+    train_step = state_lib.make_train_step(losses.LOSSES.create(config, 10))
     for step in range(3):
       if step == 1:
         compiles.clear()
-      batch = parallel.shard(jax.tree.map(lambda x: x[step], batches), mesh, axis=1)
-      metrics = train.train_steps(model, optimizer, None, metrics, batch)
+      batch = parallel.shard(jax.tree.map(lambda x: x[step], batches), mesh)
+      train_step(state, batch)
     later_compiles = len(compiles)
-    eval_metrics, _ = train.evaluate(model, parallel.eval_batches(
-        source.load_split, config.eval_split, 10_000, config, mesh))
-  out[name] = {**train.summarize(metrics, 'train'), **eval_metrics,
+    result = evaluation.Evaluation('eval', evaluators.create('loss|accuracy|per_class'),
+                                   data.info, 10_000).run(state.eval_model(), parallel.eval_batches(
+        data, config.eval_split, 10_000, config, mesh))
+  out[name] = {**state.epoch.results(), **result.scalars,
+               'support': int(result.per_class['support'].sum()),
                'later_train_compiles': later_compiles,
                'batch_spec': str(batch['image'].sharding.spec),
                'state_specs': sorted({str(x.sharding.spec) for x in jax.tree.leaves(
-                   nnx.state((model, optimizer)))}),
-               'state_devices': len(jax.tree.leaves(nnx.state(model))[0].sharding.device_set)}
-  out[name + '_params'] = jax.tree.map(np.asarray, nnx.state(model, nnx.Param, nnx.BatchStat))
+                   nnx.state(state))}),
+               'state_devices': len(jax.tree.leaves(nnx.state(state.model))[0].sharding.device_set)}
+  out[name + '_params'] = jax.tree.map(np.asarray, nnx.state(state.model, nnx.Param,
+                                                             nnx.BatchStat))
 differences = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))),
                            out.pop('one_params'), out.pop('four_params'))
 out['max_param_difference'] = max(jax.tree.leaves(differences))
@@ -88,24 +87,25 @@ def test_four_devices_match_one_device_on_the_same_global_batch(tfds_data_dir):
   out = json.loads(result.stdout.split('RESULT ')[-1])
   one, four = out['one'], out['four']
 
-  assert four['batch_spec'] == "P(None, 'data')"
+  assert four['batch_spec'] == "P('data',)"
   assert four['state_specs'] == ['P()'] and four['state_devices'] == 4
-  # Steps 2 and 3 reuse the executable that step 1 compiled for fresh metrics.
+  # Steps 2 and 3 reuse the executable that step 1 compiled.
   assert four['later_train_compiles'] == 0
   assert out['max_param_difference'] < 1e-5
-  assert one['train_num_examples'] == four['train_num_examples'] == 384
-  assert one['eval_num_examples'] == four['eval_num_examples'] == 10_000
-  for key in ('train_loss', 'train_accuracy', 'eval_loss', 'eval_accuracy'):
+  assert one['support'] == four['support'] == 10_000  # Every example once, padding masked.
+  for key in ('train/loss', 'train/accuracy', 'eval/loss', 'eval/accuracy', 'eval/macro_f1'):
     assert four[key] == pytest.approx(one[key], rel=1e-5), key
 
 
 def test_batch_size_must_divide_by_the_device_count():
   config = default.get_config()
   config.batch_size = 130
-  with pytest.raises(config_checks.ConfigError,
-                     match=r'config.batch_size=130 does not divide by the 4 devices.*such as 132'):
-    config_checks.check_against_devices(config, num_devices=4)
-  config_checks.check_against_devices(config, num_devices=2)
+  info = base.DatasetInfo('mnist', (28, 28, 1), 10, 60_000, 10_000)
+  with pytest.raises(errors.ConfigError) as error:
+    config_checks.check_against_data(config, info, num_devices=4)
+  assert (error.value.key, error.value.value) == ('batch_size', 130)
+  assert 'such as 132' in str(error.value)
+  config_checks.check_against_data(config, info, num_devices=2)
 
 
 @pytest.mark.slow
@@ -123,13 +123,14 @@ def test_bad_process_flags_exit_with_the_fix(tmp_path):
 def test_eval_batches_pad_to_the_requested_number_of_batches():
   split = base.Split(images=np.ones((7, 2, 2, 1), np.uint8),
                                labels=np.arange(7, dtype=np.int32))
-  batches = input_pipeline.eval_batches(split, batch_size=3, num_batches=4)
+  batches = input_pipeline.eval_batches(split, preprocessing.parse(''), batch_size=3,
+                                       num_batches=4)
   assert [len(batch['label']) for batch in batches] == [3, 3, 3, 3]
   mask = np.concatenate([batch['mask'] for batch in batches])
   assert mask.sum() == 7 and not mask[7:].any()
 
 
-def _free_port() -> int:
+def free_port() -> int:
   with socket.socket() as sock:
     sock.bind(('127.0.0.1', 0))
     return sock.getsockname()[1]
@@ -155,7 +156,7 @@ def test_two_processes_match_one_process(tfds_data_dir, tmp_path):
          *flags, *extra],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-  coordinator = f'--coordinator_address=127.0.0.1:{_free_port()}'
+  coordinator = f'--coordinator_address=127.0.0.1:{free_port()}'
   runs = [launch(tmp_path / 'multi', coordinator, '--num_processes=2', f'--process_id={i}')
           for i in range(2)]
   runs.append(launch(tmp_path / 'single'))
@@ -173,12 +174,11 @@ def test_two_processes_match_one_process(tfds_data_dir, tmp_path):
   writers = {re.search(r'\.(\d+)\.\d+\.v2$', path).group(1)
              for path in glob.glob(str(tmp_path / 'multi' / 'events.out.tfevents.*'))}
   assert writers == {str(runs[0].pid)}
-  multi, single = _scalars(str(tmp_path / 'multi')), _scalars(str(tmp_path / 'single'))
-  assert multi['eval_num_examples'] == [(1, 10_000.0), (2, 10_000.0)]
-  for tag in ('train_loss', 'train_accuracy', 'eval_loss', 'eval_accuracy'):
+  multi, single = scalars(str(tmp_path / 'multi')), scalars(str(tmp_path / 'single'))
+  for tag in ('train/loss', 'train/accuracy', 'eval/loss', 'eval/accuracy'):
     assert [step for step, _ in multi[tag]] == [1, 2], tag
     # Cross-process sums add in another order; after 2 steps (~40% accuracy) many test images
     # sit near a decision boundary, where that may flip the argmax of an example or two.
     np.testing.assert_allclose([value for _, value in multi[tag]],
                                [value for _, value in single[tag]], rtol=1e-5,
-                               atol=3e-4 if tag == 'eval_accuracy' else 0, err_msg=tag)
+                               atol=3e-4 if tag == 'eval/accuracy' else 0, err_msg=tag)

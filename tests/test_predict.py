@@ -2,31 +2,33 @@
 
 import csv
 import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
+from PIL import Image
 import pytest
 import tensorflow as tf
 
 from configs import default
-import data_sources
+from core import errors
 from data_sources import base
-from data_sources import folder_source
 import image_folders
-import input_pipeline
 from modes import evaluate
 from modes import export
 from modes import predict
-from training import config_checks
 import train
+from training import workdirs
 
 CLASSES = ('centre', 'left half', 'top')
 
 
 def _config(root):
   config = default.get_config()
-  config.update(dict(data_source='folder', dataset=root, eval_split='test', image_size=16,
-                     batch_size=12, eval_batch_size=10, num_epochs=6, learning_rate=0.05,
-                     log_every_steps=6, checkpoint_every_steps=1000, augment='translate(1)'))
+  config.update(dict(data_source='folder', dataset=root, eval_split='test', batch_size=12,
+                     eval_batch_size=10, num_epochs=6, learning_rate=0.05, log_every_steps=6,
+                     checkpoint_every_steps=1000, preprocess='resize(16)|translate(1)'))
   config.model_options.cnn.update(conv1_features=8, conv2_features=16, hidden_features=32)
   return config
 
@@ -48,8 +50,7 @@ def _read(path):
 
 def test_predictions_agree_with_eval_and_name_the_classes(trained, capsys):
   root, files, workdir, metrics = trained
-  assert metrics['eval_num_examples'] == 24
-  assert metrics['eval_accuracy'] >= 0.6, metrics  # 3 classes: chance is 1/3.
+  assert metrics['eval/accuracy'] >= 0.6, metrics  # 3 classes: chance is 1/3.
   evaluated = evaluate.evaluate_checkpoint(_config(root), workdir)
   path = predict.predict(_config(root), workdir, os.path.join(root, 'test'))
   assert path == os.path.join(workdir, 'predictions.csv')
@@ -61,7 +62,7 @@ def test_predictions_agree_with_eval_and_name_the_classes(trained, capsys):
   assert all(1 / 3 <= float(row[2]) <= 1 for row in rows)
   # The same preprocessing as eval: the file's accuracy is the eval accuracy on those images.
   accuracy = np.mean([truth[file] == name for file, name, _ in rows])
-  assert accuracy == pytest.approx(evaluated['eval_accuracy'], abs=1e-6)
+  assert accuracy == pytest.approx(evaluated['eval/accuracy'], abs=1e-6)
   printed = capsys.readouterr().out
   assert 'file' in printed and '(14 more; 24 predictions in' in printed
 
@@ -76,41 +77,83 @@ def test_predict_needs_no_data_skips_unreadable_files_and_takes_globs(trained, t
   assert len(_read(path)) == 1 + 6
 
 
+def test_predict_skips_damaged_files_by_name_and_reads_messy_ones(trained, tmp_path, caplog):
+  root, _, workdir, _ = trained
+  inputs = tmp_path / 'photos'
+  (inputs / 'nested').mkdir(parents=True)
+  good = sorted(os.path.join(root, 'test', 'top', name)
+                for name in os.listdir(os.path.join(root, 'test', 'top')))[:3]
+  for index, path in enumerate(good):
+    Image.open(path).convert('RGB').save(inputs / 'nested' / f'{index}.png')
+  Image.open(good[0]).convert('RGB').save(inputs / 'photo.jpg')
+  with open(inputs / 'photo.jpg', 'rb') as file:
+    jpeg = file.read()
+  (inputs / 'cut.jpg').write_bytes(jpeg[:len(jpeg) // 2])  # A truncated JPEG.
+  (inputs / 'empty.png').write_bytes(b'')
+  rgba = Image.open(good[1]).convert('RGBA')
+  rgba.save(inputs / 'transparent.png')
+  path = predict.predict(_config(root), workdir, str(inputs))
+  predicted = {os.path.relpath(row[0], inputs) for row in _read(path)[1:]}
+  assert predicted == {'nested/0.png', 'nested/1.png', 'nested/2.png', 'photo.jpg',
+                       'transparent.png'}
+  assert 'cut.jpg' in caplog.text and 'empty.png' in caplog.text
+
+
 def test_predict_bad_inputs_are_one_line_errors(trained, tmp_path):
   root, _, workdir, _ = trained
   config = _config(root)
-  with pytest.raises(config_checks.ConfigError, match='--mode=predict needs --inputs=PATH'):
+  with pytest.raises(errors.FlagError) as error:
     predict.predict(config, workdir, None)
+  assert error.value.flag == 'inputs'
   (tmp_path / 'texts').mkdir()
   (tmp_path / 'texts' / 'a.txt').write_text('not an image')
-  with pytest.raises(config_checks.ConfigError,
-                     match=r"No image under --inputs='.*texts' \(only 1 unreadable files\)"):
+  with pytest.raises(errors.FlagError) as error:
     predict.predict(config, workdir, str(tmp_path / 'texts'))
-  # A grayscale model refuses colour images (checked before any checkpoint is read).
+  assert error.value.value == str(tmp_path / 'texts')
+  # No checkpoint is the first problem reported, before the inputs are looked at.
+  empty_workdir = str(tmp_path / 'untrained')
+  os.makedirs(empty_workdir)
+  with pytest.raises(errors.CheckpointError):
+    predict.predict(config, empty_workdir, str(tmp_path / 'texts'))
+  # A grayscale model refuses colour images.
   gray_workdir = str(tmp_path / 'gray_model')
+  gray_config = _config(root)
+  gray_config.model_options.cnn.update(conv1_features=8, conv2_features=16, hidden_features=32)
   os.makedirs(gray_workdir)
-  data_sources.save_info(gray_workdir, base.DatasetInfo(
-      name='digits', image_shape=(16, 16, 1), num_classes=3, num_train_examples=1,
-      num_eval_examples=1, class_names=CLASSES))
-  with pytest.raises(config_checks.ConfigError,
-                     match=r'--inputs has \d+ colour images \(.*\) but the model takes '
-                           'grayscale images'):
-    predict.predict(config, gray_workdir, os.path.join(root, 'test'))
+  gray_info = base.DatasetInfo(name='digits', image_shape=(16, 16, 1), num_classes=3,
+                               num_train_examples=12, num_eval_examples=1, class_names=CLASSES)
+  workdirs.save_info(gray_workdir, gray_info)
+  state = train.state_lib.create(gray_config, gray_info, 1)
+  checkpoints = train.checkpointing.Checkpoints(gray_workdir)
+  checkpoints.save(1, state, {'epoch': 0, 'step_in_epoch': 1, 'steps_per_epoch': 1,
+                              'hooks': {}})
+  checkpoints.close()
+  with pytest.raises(errors.FlagError) as error:
+    predict.predict(gray_config, gray_workdir, os.path.join(root, 'test'))
+  assert 'grayscale' in str(error.value)
 
 
-def test_saved_model_carries_the_class_names(trained):
+def test_saved_model_in_plain_tensorflow_classifies_as_predict(trained, tmp_path):
   root, files, workdir, _ = trained
   path = export.export_saved_model(_config(root), workdir)
   loaded = tf.saved_model.load(path)
   names = loaded.signatures['class_names']()['class_names'].numpy()
   assert tuple(name.decode() for name in names) == CLASSES
+  test_files = [file for file, _ in files['test'] if not file.endswith('.gif')]
   predictions = {file: name for file, name, _ in
                  _read(predict.predict(_config(root), workdir, os.path.join(root, 'test')))[1:]}
-  test_files = [file for file, _ in files['test']]
-  images = tf.stack([input_pipeline.resize(folder_source.decode(tf.constant(file), 3), (16, 16))
-                     for file in test_files])
-  classified = loaded.signatures['classify'](images=tf.cast(images, tf.float32) / 255.0)
-  got = [name.decode() for name in classified['class'].numpy()]
-  assert got == [predictions[file] for file in test_files]
-  assert np.all(classified['probability'].numpy() >= 1 / 3)
-
+  # A plain python with TensorFlow only, on the raw files of mixed sizes, one at a time.
+  script = textwrap.dedent(f"""
+      import sys
+      import tensorflow as tf
+      model = tf.saved_model.load({path!r})
+      for file in sys.argv[1:]:
+        image = tf.io.decode_image(tf.io.read_file(file), channels=3, expand_animations=False)
+        print(model.signatures['classify'](images=image[None])['class'].numpy()[0].decode())
+      """)
+  result = subprocess.run([sys.executable, '-c', script, *test_files], capture_output=True,
+                          text=True, timeout=300, check=True)
+  assert result.stdout.split('\n')[:-1] == [predictions[file] for file in test_files]
+  with pytest.raises(Exception) as error:  # A float input: TF's own one-line signature error.
+    loaded.signatures['classify'](images=tf.zeros((1, 16, 16, 3)))
+  assert 'uint8' in str(error.value) or 'dtype' in str(error.value)

@@ -201,7 +201,8 @@ class Checkpoints:
     """
     metadata = self._manager.item_metadata(step)
     if metadata.get('state') is None:
-      if any(metadata.get(item) is not None for item in ('model', 'train')):
+      if any(os.path.isdir(os.path.join(self.directory, str(step), item))
+             for item in ('model', 'train')):  # The items of the first layout.
         raise errors.CheckpointError(
             f'The checkpoints in {self.directory} were written by an earlier version of this '
             'app, in a layout it no longer reads: pass a new --workdir (or move this one aside).',

@@ -23,7 +23,7 @@ from training import optimizers
 _COUNTS = ('batch_size', 'eval_batch_size', 'num_epochs', 'log_every_steps',
            'shuffle_buffer_size', 'checkpoint_every_steps', 'max_checkpoints_to_keep',
            'grad_accum_steps')
-_NON_NEGATIVE = ('early_stopping_patience', 'profile_steps')
+_NON_NEGATIVE = ('early_stopping_patience', 'profile_steps', 'precise_bn_batches')
 _CHOICES = {'in_memory': input_pipeline.IN_MEMORY, 'input_backend': input_pipeline.INPUT_BACKENDS,
             'nonfinite': optimizers.NONFINITE}
 _REGISTRIES = (data_sources.SOURCES, models.MODELS, losses.LOSSES, optimizers.OPTIMIZERS,
@@ -62,7 +62,8 @@ def check_config(config: ml_collections.ConfigDict) -> None:
              f'config.{key}={value!r} is invalid: it must be {interval}.')
   for registry in _REGISTRIES:
     registry.check(config)
-  kernels.select_layers(config.cpu_kernels, compute_dtype=config.compute_dtype)
+  # Checks the values only: a named backend keeps JAX (and its accelerators) unstarted.
+  kernels.select_layers(config.cpu_kernels, backend='cpu', compute_dtype=config.compute_dtype)
   preprocessing.parse(config.preprocess)
   input_pipeline.check_input(config)
   check_best_metric(config)

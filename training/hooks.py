@@ -199,6 +199,22 @@ class TrainMetrics(Hook):
     self._writer.write_scalars(loop.step, scalars)
 
 
+class PreciseBatchNorm(Hook):
+  """At every epoch end, before the evaluation, recomputes the BatchNorm statistics of the
+  model to evaluate (the EMA's, with config.ema_decay) over the epoch's last training batches
+  (`state_lib.recompute_batch_statistics`). `epoch_tail(epoch)` gives those batches again,
+  from the input pipeline: a function of (seed, epoch), so a resumed run recomputes the same
+  statistics."""
+
+  def __init__(self, epoch_tail):
+    self._epoch_tail = epoch_tail
+
+  def after_step(self, loop):
+    if loop.end_of_epoch:
+      state_lib.recompute_batch_statistics(loop.state.eval_model(),
+                                           self._epoch_tail(loop.epoch - 1))
+
+
 class Evaluate(Hook):
   """Evaluates the eval split at every epoch end: its scalars into `loop.metrics` and the
   writer, its pictures to TensorBoard, and the epoch's line in the log."""

@@ -1,0 +1,116 @@
+"""Evaluators equal a direct computation, whatever the padding and batching."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from core import errors
+from data_sources import base
+from training import evaluators
+
+NUM_CLASSES = 5
+INFO = base.DatasetInfo(name='toy', image_shape=(2, 2, 1), num_classes=NUM_CLASSES,
+                        num_train_examples=1, num_eval_examples=1,
+                        class_names=('a', 'b', 'c', 'd', 'e'))
+
+
+def _imbalanced(seed=0, num=203):
+  """Labels mostly of class 0, a few of 1 and 2, class 3 never a label; logits that never
+  predict class 4 (and sometimes predict the absent class 3)."""
+  rng = np.random.default_rng(seed)
+  labels = rng.choice([0, 1, 2, 4], size=num, p=[0.7, 0.15, 0.1, 0.05]).astype(np.int32)
+  logits = rng.normal(size=(num, NUM_CLASSES)).astype(np.float32)
+  logits[np.arange(num), labels] += rng.choice([0.0, 3.0], size=num, p=[0.3, 0.7])
+  logits[:, 4] -= 10.0  # Never predicted.
+  return logits, labels
+
+
+def _run(spec, logits, labels, batch_size):
+  """The evaluators' results over `logits` in padded, masked batches of `batch_size`."""
+  chosen = evaluators.create(spec)
+  states = [evaluator.init(INFO) for evaluator in chosen]
+  pad = -len(labels) % batch_size
+  logits = np.concatenate([logits, np.full((pad, NUM_CLASSES), 100.0, np.float32)])
+  labels = np.concatenate([labels, np.zeros(pad, np.int32)])
+  mask = np.arange(len(labels)) < len(labels) - pad
+  images = np.arange(len(labels), dtype=np.float32)[:, None, None, None] * np.ones((1, 2, 2, 1))
+  update = jax.jit(lambda states, logits, batch: [
+      evaluator.update(state, logits, batch) for evaluator, state in zip(chosen, states)])
+  for start in range(0, len(labels), batch_size):
+    window = slice(start, start + batch_size)
+    states = update(states, jnp.asarray(logits[window]),
+                    {'image': images[window], 'label': labels[window], 'mask': mask[window]})
+  states = jax.tree.map(np.asarray, states)
+  results, per_class, pictures = {}, {}, {}
+  for evaluator, state in zip(chosen, states):
+    results.update(evaluator.results(state, INFO))
+    per_class.update(evaluator.per_class(state, INFO))
+    pictures.update(evaluator.images(state, INFO))
+  return results, per_class, pictures, states
+
+
+def _expected(logits, labels):
+  """Written out with NumPy, as scikit-learn defines them (zero_division=0)."""
+  predicted = logits.argmax(axis=1)
+  log_probs = logits - logits.max(1, keepdims=True)
+  log_probs -= np.log(np.exp(log_probs).sum(1, keepdims=True))
+  precision, recall, f1, support = [], [], [], []
+  for k in range(NUM_CLASSES):
+    tp = np.sum((predicted == k) & (labels == k))
+    p = tp / np.sum(predicted == k) if np.any(predicted == k) else 0.0
+    r = tp / np.sum(labels == k) if np.any(labels == k) else 0.0
+    precision.append(p)
+    recall.append(r)
+    f1.append(2 * p * r / (p + r) if p + r else 0.0)
+    support.append(np.sum(labels == k))
+  occurring = np.union1d(labels, predicted)
+  present = np.unique(labels)
+  top3 = np.argsort(-logits, axis=1)[:, :3]
+  return {
+      'loss': -log_probs[np.arange(len(labels)), labels].mean(),
+      'accuracy': np.mean(predicted == labels),
+      'top3_accuracy': np.mean([label in row for label, row in zip(labels, top3)]),
+      'macro_precision': np.mean(np.array(precision)[occurring]),
+      'macro_recall': np.mean(np.array(recall)[occurring]),
+      'macro_f1': np.mean(np.array(f1)[occurring]),
+      'balanced_accuracy': np.mean(np.array(recall)[present]),
+  }, {'precision': precision, 'recall': recall, 'f1': f1, 'support': support}
+
+
+SPEC = 'loss|accuracy|top_k(3)|per_class|balanced_accuracy|confusion_matrix|misclassified(4)'
+
+
+@pytest.mark.parametrize('batch_size', [203, 64, 7])
+def test_every_evaluator_equals_the_direct_computation(batch_size):
+  logits, labels = _imbalanced()
+  results, per_class, pictures, _ = _run(SPEC, logits, labels, batch_size)
+  expected, expected_per_class = _expected(logits, labels)
+  assert results.keys() == expected.keys()
+  for name, value in expected.items():
+    assert results[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+  for column, values in expected_per_class.items():
+    np.testing.assert_allclose(per_class[column], values, rtol=1e-6, err_msg=column)
+  assert per_class['support'][3] == 0 and per_class['precision'][4] == 0  # The edge classes.
+  assert set(pictures) == {'confusion_matrix', 'misclassified'}
+
+
+def test_misclassified_keeps_the_first_errors_in_order():
+  logits, labels = _imbalanced()
+  wrong = np.flatnonzero(logits.argmax(1) != labels)[:4]
+  for batch_size in (203, 5):
+    *_, states = _run('misclassified(4)', logits, labels, batch_size)
+    state, = states
+    np.testing.assert_array_equal(state['images'][:, 0, 0, 0], wrong)  # Images carry their index.
+    np.testing.assert_array_equal(state['labels'], labels[wrong])
+    np.testing.assert_array_equal(state['predictions'], logits.argmax(1)[wrong])
+    assert state['found'] == np.sum(logits.argmax(1) != labels)
+
+
+def test_directions_and_bad_specs():
+  assert evaluators.directions(evaluators.create('loss|accuracy|top_k(5)')) == {
+      'loss': False, 'accuracy': True, 'top5_accuracy': True}
+  for spec in ('top_k(0)', 'accuracy|accuracy', 'f2_score', 'misclassified(count=-1)'):
+    with pytest.raises(errors.ConfigError) as error:
+      evaluators.create(spec)
+    assert (error.value.key, error.value.value) == ('evaluators', spec)
