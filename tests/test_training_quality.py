@@ -114,11 +114,15 @@ def test_ema_after_n_steps_equals_the_formula():
   for step in range(num_steps):
     train_step(state, random_batch(16, seed=step))
     params.append(jax.tree.map(np.array, nnx.state(state.model, nnx.Param).to_pure_dict()))
-  # ema_N = d^N p_0 + sum_i (1 - d) d^(N - i) p_i
-  expected = jax.tree.map(
-      lambda *history: decay ** num_steps * history[0] + sum(
-          (1 - decay) * decay ** (num_steps - i) * history[i] for i in range(1, num_steps + 1)),
-      *params)
+  # ema_i = d_i ema_(i-1) + (1 - d_i) p_i, from ema_0 = p_0, with the warm-up
+  # d_i = min(d, (1 + i) / (10 + i)).
+  def expected_average(*history):
+    average = history[0]
+    for i in range(1, num_steps + 1):
+      warm = min(decay, (1 + i) / (10 + i))
+      average = warm * average + (1 - warm) * history[i]
+    return average
+  expected = jax.tree.map(expected_average, *params)
   averaged = nnx.state(state.eval_model(), nnx.Param).to_pure_dict()
   jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6),
                averaged, expected)

@@ -73,6 +73,21 @@ def create_ema(config: ml_collections.ConfigDict, model: nnx.Module) -> nnx.EMA 
   return nnx.EMA(model, config.ema_decay, only=nnx.Any(nnx.Param, nnx.BatchStat))
 
 
+def update_ema(ema: nnx.EMA, model: nnx.Module, step: jax.Array) -> None:
+  """Moves `ema` towards `model` after update `step` (1, 2, ...), with a decay that warms up.
+
+  The decay is min(ema.decay, (1 + step) / (10 + step)), as TensorFlow's
+  ExponentialMovingAverage does with num_updates (and timm's ModelEmaV3 with warm-up): early
+  on, the average follows the weights instead of holding on to their random start (configs/
+  best.py evaluated the averaged weights at 77.7% after epoch 1 while training at 89-99%).
+  Written here because `nnx.EMA.update` takes a fixed decay; the rule is the same.
+  """
+  decay = jnp.minimum(ema.decay, (1.0 + step) / (10.0 + step))
+  jax.tree.map(lambda average, new: average.set_value(decay * average[...] + (1 - decay) * new),
+               ema.params, nnx.state(model, ema.filter),
+               is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def create(config: ml_collections.ConfigDict, info: base.DatasetInfo,
            steps_per_epoch: int) -> TrainState:
   """The initial training state for `config` and the data of `info`, built as one XLA program.
@@ -104,7 +119,7 @@ def make_train_step(loss: losses.Loss) -> Callable[[TrainState, Batch], None]:
     (_, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(state.model)
     state.optimizer.update(state.model, grads)
     if state.ema is not None:
-      state.ema.update(state.model)
+      update_ema(state.ema, state.model, state.optimizer.step[...])
     state.window.add(logits, batch['label'])
     state.epoch.add(logits, batch['label'])
 
