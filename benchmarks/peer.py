@@ -92,23 +92,28 @@ _EPOCH_KEYS = {'epoch': 'epoch', 'train/examples_per_sec': 'train_examples_per_s
 
 @dataclasses.dataclass(frozen=True)
 class Configuration:
-  """One program measured: its name, library ('torch' or 'jax'), the dtype its matmuls compute
-  in (which peak it is compared with) and its flags."""
+  """One program measured, by its name in the table."""
   name: str
-  library: str
-  dtype: str
-  flags: tuple[str, ...]
+  library: str  # 'torch' (benchmarks.pytorch_mnist) or 'jax' (main.py).
+  dtype: str  # What its matmuls compute in: the peak it is compared with.
+  option: str  # torch: its --variant; jax: its config.cpu_kernels.
+
+  @property
+  def child_flags(self) -> list[str]:
+    """Its own flags, beside those every child of its library gets."""
+    if self.library == 'torch':
+      return [f'--variant={self.option}']
+    return ((['--config.cpu_kernels=off'] if self.option == 'off' else [])
+            + (['--config.compute_dtype=bfloat16'] if self.dtype == 'bfloat16' else []))
 
 
 # benchmarks.pytorch_mnist's variants (a test checks that they match).
 TORCH_VARIANTS = {'eager': 'float32', 'autocast_bf16': 'bfloat16', 'compile': 'float32',
                   'channels_last': 'float32'}
 CONFIGURATIONS = {c.name: c for c in [
-    *(Configuration(f'torch_{variant}', 'torch', dtype, (f'--variant={variant}',))
+    *(Configuration(f'torch_{variant}', 'torch', dtype, variant)
       for variant, dtype in TORCH_VARIANTS.items()),
-    *(Configuration(f'project_{cpu_kernels}_{dtype}', 'jax', dtype,
-                    (('--config.cpu_kernels=off',) if cpu_kernels == 'off' else ())
-                    + (('--config.compute_dtype=bfloat16',) if dtype == 'bfloat16' else ()))
+    *(Configuration(f'project_{cpu_kernels}_{dtype}', 'jax', dtype, cpu_kernels)
       for cpu_kernels in ('auto', 'off') for dtype in ('float32', 'bfloat16'))]}
 DEFAULT_VARIANTS = {
     'cpu': list(CONFIGURATIONS),
@@ -186,6 +191,12 @@ def best_seconds(fn: Callable[[], object], repeats: int = 10, budget_s: float = 
   return min(times)
 
 
+def matmuls_per_timing(device: str) -> int:
+  """Matmuls per timed call: one on a CPU; on a GPU, where a 2048x2048 matmul takes tens of
+  microseconds, enough that the launch and the sync after them do not count."""
+  return 1 if device == 'cpu' else 50
+
+
 def measure_torch(device: str) -> dict:
   """PyTorch's matmul FLOP/s by dtype and FLOPs per example of one train step of its CNN."""
   # pylint: disable=g-import-not-at-top  (optional extra; only this child imports it)
@@ -199,11 +210,14 @@ def measure_torch(device: str) -> dict:
   def matmul_flops_per_sec(dtype):
     a = torch.ones(MATMUL_SIZE, MATMUL_SIZE, dtype=dtype, device=device)
 
-    def matmul():
-      a @ a  # pylint: disable=pointless-statement
+    calls = matmuls_per_timing(device.type)
+
+    def matmuls():
+      for _ in range(calls):
+        a @ a  # pylint: disable=pointless-statement
       pytorch_mnist.synchronize(device)
 
-    return 2 * MATMUL_SIZE**3 / best_seconds(matmul)
+    return calls * 2 * MATMUL_SIZE**3 / best_seconds(matmuls)
 
   model = pytorch_mnist.CNN().to(device)
   images = torch.zeros(BATCH_SIZE, 1, 28, 28, device=device)
@@ -217,7 +231,7 @@ def measure_torch(device: str) -> dict:
                           else 'cpu')}
 
 
-def measure_jax(configurations: list[Configuration]) -> dict:
+def measure_jax(device: str, configurations: list[Configuration]) -> dict:
   """JAX's matmul FLOP/s by dtype and, per project configuration, XLA's FLOPs per example of
   one SGD train step of models.CNN built from that configuration's layers."""
   # pylint: disable=g-import-not-at-top  (only this child starts JAX)
@@ -233,7 +247,14 @@ def measure_jax(configurations: list[Configuration]) -> dict:
   def matmul_flops_per_sec(dtype):
     a = jnp.ones((MATMUL_SIZE, MATMUL_SIZE), dtype)
     matmul = jax.jit(lambda a: a @ a)
-    return 2 * MATMUL_SIZE**3 / best_seconds(lambda: matmul(a).block_until_ready())
+    calls = matmuls_per_timing(device)
+
+    def matmuls():
+      for _ in range(calls - 1):
+        matmul(a)  # Queued: JAX dispatches asynchronously.
+      matmul(a).block_until_ready()
+
+    return calls * 2 * MATMUL_SIZE**3 / best_seconds(matmuls)
 
   @nnx.jit
   def train_step(model, optimizer, images, labels):
@@ -243,8 +264,7 @@ def measure_jax(configurations: list[Configuration]) -> dict:
     optimizer.update(model, nnx.grad(loss_fn)(model))
 
   def flops_per_example(configuration):
-    cpu_kernels = 'off' if '--config.cpu_kernels=off' in configuration.flags else 'auto'
-    layers = kernels.select_layers(cpu_kernels, compute_dtype=configuration.dtype)
+    layers = kernels.select_layers(configuration.option, compute_dtype=configuration.dtype)
     model = models.CNN((28, 28, 1), 10, layers=layers, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
     images = jnp.zeros((BATCH_SIZE, 28, 28, 1))
@@ -305,7 +325,7 @@ def run_configuration(configuration: Configuration) -> dict:
     if configuration.library == 'torch':
       out = os.path.join(workdir, 'figures.json')
       subset = [f'--train_examples={FLAGS.train_examples}'] if FLAGS.train_examples else []
-      command = [sys.executable, '-m', 'benchmarks.pytorch_mnist', *configuration.flags,
+      command = [sys.executable, '-m', 'benchmarks.pytorch_mnist', *configuration.child_flags,
                  f'--epochs={FLAGS.epochs}', f'--mnist_dir={mnist_dir()}',
                  f'--device={FLAGS.device}', f'--json={out}', *subset]
     else:
@@ -314,7 +334,7 @@ def run_configuration(configuration: Configuration) -> dict:
                 if FLAGS.train_examples else [])
       command = [sys.executable, 'main.py', '--config=configs/default.py',
                  f'--workdir={workdir}', f'--config.num_epochs={FLAGS.epochs}',
-                 *configuration.flags, *subset]
+                 *configuration.child_flags, *subset]
     seconds = run_child(command, child_env(configuration.library, workdir))
     if configuration.library == 'torch':
       with open(out) as f:
@@ -362,8 +382,8 @@ def summarize(configurations: list[Configuration], every_round: dict[str, list[d
 def markdown_table(configurations: list[Configuration], runs: dict[str, dict],
                    epochs: int) -> str:
   """The table of `runs` (summarize's), a row per configuration."""
-  lines = [f'| configuration | train examples/s (epoch {epochs}) | process seconds ({epochs} '
-           f'epochs) | eval accuracy (epoch {epochs}) | FLOPs/example (train step) | share of '
+  lines = [f'| configuration | train examples/s (epoch {epochs}) | process seconds (epochs 1-'
+           f'{epochs}) | eval accuracy (epoch {epochs}) | FLOPs/example (train step) | share of '
            'matmul peak (library, dtype: GFLOP/s) |', '| --- | ---: | ---: | ---: | ---: | ---: |']
   for c in configurations:
     run = runs[c.name]
@@ -390,7 +410,7 @@ def main(argv):
   configurations = selected_configurations()
   if FLAGS.measure:
     figures = (measure_torch(FLAGS.device) if FLAGS.measure == 'torch' else
-               measure_jax([c for c in configurations if c.library == 'jax']))
+               measure_jax(FLAGS.device, [c for c in configurations if c.library == 'jax']))
     with open(FLAGS.json, 'w') as f:
       json.dump(figures, f)
     return

@@ -24,12 +24,12 @@ SAPPHIRE_RAPIDS = """\
 processor\t: 0
 vendor_id\t: GenuineIntel
 model name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
-flags\t\t: fpu sse sse2 avx avx2 fma avx512f avx512dq avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8
+flags\t\t: fpu avx avx2 fma avx512f avx512dq avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8
 
 processor\t: 1
 vendor_id\t: GenuineIntel
 model name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
-flags\t\t: fpu sse sse2 avx avx2 fma avx512f avx512dq avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8
+flags\t\t: fpu avx avx2 fma avx512f avx512dq avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8
 """
 EPYC = """\
 processor\t: 0
@@ -172,3 +172,10 @@ def test_peer_runs_the_pytorch_peer_and_prints_its_table(mnist_dir, tmp_path):
   assert 2.2e7 < run['flops_per_example'] < 3.6e7
   for library in ('torch', 'jax'):
     assert all(gflops > 0 for gflops in report['matmul_gflops'][library].values())
+
+
+def test_configurations_pass_their_options_as_flags():
+  assert peer.CONFIGURATIONS['torch_autocast_bf16'].child_flags == ['--variant=autocast_bf16']
+  assert peer.CONFIGURATIONS['project_auto_float32'].child_flags == []
+  assert peer.CONFIGURATIONS['project_off_bfloat16'].child_flags == [
+      '--config.cpu_kernels=off', '--config.compute_dtype=bfloat16']
