@@ -147,13 +147,13 @@ def _hooks(config, workdir: str, loop: hooks.Loop, checkpoints: checkpointing.Ch
            writer, eval_split: evaluation.Evaluation, eval_batches, epoch_tail,
            signals: runtime.StopSignals) -> list[hooks.Hook]:
   """The loop's hooks, in the order they run after each step."""
-  guard = (hooks.NonFiniteGuard(checkpoints, config.log_every_steps)
-           if config.nonfinite == 'halt' else None)
+  guard = hooks.NonFiniteGuard(checkpoints, config.log_every_steps,
+                               check_loss=config.nonfinite == 'halt')
   schedule = optimizers.create_learning_rate_schedule(config, loop.steps_per_epoch)
   run_hooks = [hooks.Progress()]
   if config.profile_steps:
     run_hooks.append(hooks.Profiler(workdir, config.profile_steps))
-  run_hooks += [guard] if guard else []
+  run_hooks.append(guard)
   run_hooks.append(hooks.TrainMetrics(writer, schedule, config.log_every_steps,
                                       config.batch_size))
   if config.precise_bn_batches and state_lib.has_batch_norm(loop.state.model):

@@ -46,7 +46,6 @@ _EXIF_ORIENTATION = 0x0112
 _JPEG_END = b'\xff\xd9'  # A JPEG's last marker (EOI): missing from a truncated file.
 _SCAN_THREADS = 8  # Header reads wait on the disk more than on the CPU.
 _NAMED_IN_WARNING = 5  # Files named in a warning.
-FEW_IMAGES = 10  # A class with fewer training images than this gets a warning.
 
 
 @dataclasses.dataclass(frozen=True)

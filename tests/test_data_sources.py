@@ -24,7 +24,6 @@ import image_folders
 import input_pipeline
 import preprocessing
 import train
-from training import config_checks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

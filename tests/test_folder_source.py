@@ -18,7 +18,6 @@ import image_folders
 import input_pipeline
 import preprocessing
 from preprocessing import resize as resize_ops
-from training import config_checks
 
 # PIL's and TensorFlow's JPEG decoders differ in chroma upsampling and rounding.
 _JPEG_TOLERANCE = 8

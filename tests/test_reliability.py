@@ -118,7 +118,7 @@ def test_when_no_checkpoint_restores_the_run_stops_with_one_line(trained, tfds_d
   with pytest.raises(errors.CheckpointError) as error:
     train.train_and_evaluate(_config(tfds_data_dir), workdir)
   assert error.value.directory == checkpoints
-  assert f'(steps 8, 4)' in str(error.value) and f'{checkpoints}/corrupt' in str(error.value)
+  assert '(steps 8, 4)' in str(error.value) and f'{checkpoints}/corrupt' in str(error.value)
   assert sorted(os.listdir(os.path.join(checkpoints, 'corrupt'))) == ['4', '8']
 
 

@@ -7,7 +7,6 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from configs import default

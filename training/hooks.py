@@ -136,18 +136,21 @@ class Profiler(Hook):
 
 
 class NonFiniteGuard(Hook):
-  """Halts the run when the training loss is NaN/Inf (config.nonfinite='halt'), saving nothing:
-  checked at every train-metrics write, and of the whole state before every save."""
+  """Halts the run, saving nothing, when the whole state is not finite before a save, and, with
+  `check_loss` (config.nonfinite='halt'), when the training loss is NaN/Inf at a train-metrics
+  write. With config.nonfinite='skip', updates with non-finite gradients are skipped instead,
+  and a batch's NaN loss alone does not halt."""
 
-  def __init__(self, checkpoints: checkpointing.Checkpoints, every_steps: int):
-    self._checkpoints, self._every = checkpoints, every_steps
+  def __init__(self, checkpoints: checkpointing.Checkpoints, every_steps: int,
+               check_loss: bool = True):
+    self._checkpoints, self._every, self._check_loss = checkpoints, every_steps, check_loss
     self._checked = 0  # The last step whose loss was checked.
 
   def on_start(self, loop):
     self._checked = loop.step
 
   def after_step(self, loop):
-    if every(loop.step, self._every) or loop.end_of_epoch:
+    if self._check_loss and (every(loop.step, self._every) or loop.end_of_epoch):
       loss = float(loop.state.window.loss[...])
       if not math.isfinite(loss):
         self._halt(f'The training loss is {loss} in steps {self._checked + 1}-{loop.step}',
@@ -164,9 +167,9 @@ class NonFiniteGuard(Hook):
     kept = (f'the last good checkpoint is step {last} in {self._checkpoints.directory} (kept '
             'unchanged)' if last is not None else 'no checkpoint was saved before it')
     raise errors.NonFiniteError(
-        f"{what}: halting because config.nonfinite='halt'; {kept}. Try a lower "
-        "config.learning_rate, or config.nonfinite='skip' to skip updates with NaN/Inf "
-        'gradients.', step=step, last_checkpoint=last)
+        f'{what}: halting, saving nothing; {kept}. Try a lower config.learning_rate, or '
+        "config.nonfinite='skip' to skip updates with NaN/Inf gradients.", step=step,
+        last_checkpoint=last)
 
 
 class TrainMetrics(Hook):

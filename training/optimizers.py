@@ -18,7 +18,7 @@ OPTIMIZERS = registry.Registry('optimizer', key='optimizer', app_args=1)  # (lea
 SCHEDULES = registry.Registry('schedule', key='schedule', app_args=2)
 NONFINITE = ('halt', 'skip')
 # With config.nonfinite='skip': updates with NaN/Inf gradients skipped in a row before the
-# optimizer gives up and applies them (and the run then halts on the non-finite loss).
+# optimizer applies them; the non-finite state is then refused at the next save.
 MAX_SKIPPED_UPDATES = 10
 
 
