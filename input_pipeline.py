@@ -31,6 +31,7 @@ from core import errors
 import data_sources
 from data_sources import base
 import preprocessing
+from preprocessing import mix
 
 Batch = dict[str, np.ndarray]
 IN_MEMORY = ('auto', 'always', 'never')
@@ -106,6 +107,11 @@ def check_input(config: ml_collections.ConfigDict) -> None:
         key='input_backend', value=config.input_backend)
 
 
+def mixes(config: ml_collections.ConfigDict) -> bool:
+  """Whether training batches are mixed (Mixup or CutMix), with soft targets."""
+  return bool(config.mixup_alpha or config.cutmix_alpha)
+
+
 def epoch_seed(seed: int, epoch):
   """The shuffle seed of one epoch (an int or tf.int64 tensor): distinct per (seed, epoch)."""
   return seed * 2**20 + epoch  # Distinct for epochs below 2**20.
@@ -175,7 +181,8 @@ def train_batches(split: base.Split | Streamed, data: Data, config: ml_collectio
   """Yields training batches from batch `start_step` of `start_epoch` to the end of the run.
 
   Each batch is {'image': (batch_size, H, W, C) float32, 'label': (batch_size,) int32},
-  preprocessed for training; an incomplete final batch of an epoch is dropped (static shapes).
+  preprocessed for training, and with Mixup or CutMix 'target': (batch_size, classes) float32
+  soft targets; an incomplete final batch of an epoch is dropped (static shapes).
   Every epoch is shuffled and augmented from its own seed (`epoch_seed`), so resuming at any
   step gives the same batches as the uninterrupted run.
   """
@@ -200,8 +207,14 @@ def train_batches(split: base.Split | Streamed, data: Data, config: ml_collectio
 
     def prepare(index: tf.Tensor, batch: dict[str, tf.Tensor], seed=seed) -> Batch:
       seeds = tf.stack([tf.constant(seed, tf.int64), index])
-      return {'image': data.preprocess.train_batch(batch['image'], seeds),
-              'label': batch['label']}
+      prepared = {'image': data.preprocess.train_batch(batch['image'], seeds),
+                  'label': batch['label']}
+      if mixes(config):
+        prepared['image'], prepared['target'] = mix.mix(
+            prepared['image'], batch['label'], data.info.num_classes,
+            tf.random.experimental.stateless_fold_in(seeds, 1), config.mixup_alpha,
+            config.cutmix_alpha)
+      return prepared
 
     # Batches are numbered before the ones already trained on are skipped, so each batch's
     # augmentation seed (config.seed, epoch, batch number) is the same in a resumed run.

@@ -56,7 +56,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     splits = background.submit(load_splits, config, data, mesh)
     loop = hooks.Loop(config, state_lib.create(config, data.info, steps_per_epoch),
                       steps_per_epoch, steps_per_epoch * config.num_epochs)
-    train_step = _compile(config, loop.state, eval_split, data.info, mesh)
+    train_step = _compile(config, loop.state, eval_split, data.info, mesh,
+                          lambda: _class_counts(splits.result()[0], data.info))
     train_split, eval_batches = splits.result()
   parameter_overview.log_parameter_overview(
       nnx.state(loop.state.model, nnx.Param).to_pure_dict(), msg=f'{config.model} parameters')
@@ -126,16 +127,31 @@ def load_splits(config, data: input_pipeline.Data, mesh: jax.sharding.Mesh):
                                             data.info.num_eval_examples, config, mesh)
 
 
+def _class_counts(train_split, info) -> np.ndarray:
+  """The training examples of each class, over all processes; the split must be in memory."""
+  if isinstance(train_split, input_pipeline.Streamed):
+    raise errors.ConfigError(
+        "The loss needs the training split's class counts, which a streamed split does not "
+        "give: set config.in_memory='always', or give the class weights as numbers.",
+        key='in_memory', value='never')
+  return parallel.sum_over_processes(np.bincount(train_split.labels,
+                                                 minlength=info.num_classes))
+
+
 def _compile(config, state: state_lib.TrainState, eval_split: evaluation.Evaluation, info,
-             mesh: jax.sharding.Mesh):
+             mesh: jax.sharding.Mesh, class_counts):
   """The train step, compiled with the eval step for the batches to come, before they exist
-  (their first calls reuse these executables): while the data is still decoding."""
+  (their first calls reuse these executables): while the data is still decoding.
+
+  `class_counts()` gives the training examples of each class, for losses that need them."""
   logging.info('Compiling the train and eval steps.')
   train_step = state_lib.make_train_step(
-      losses.LOSSES.create(config, info.num_classes))
-  train_step.lower(state, parallel.abstract_batch(
-      {'image': ((config.batch_size, *info.image_shape), np.float32),
-       'label': ((config.batch_size,), np.int32)}, mesh)).compile()
+      losses.LOSSES.create(config, info.num_classes, class_counts))
+  batch = {'image': ((config.batch_size, *info.image_shape), np.float32),
+           'label': ((config.batch_size,), np.int32)}
+  if input_pipeline.mixes(config):
+    batch['target'] = ((config.batch_size, info.num_classes), np.float32)
+  train_step.lower(state, parallel.abstract_batch(batch, mesh)).compile()
   size = parallel.eval_batch_size(config, mesh)
   eval_split.compile(state.eval_model(), parallel.abstract_batch(
       {'image': ((size, *info.image_shape), np.float32), 'label': ((size,), np.int32),
@@ -173,6 +189,8 @@ def _resume(loop: hooks.Loop, checkpoints: checkpointing.Checkpoints,
   """Restores the newest checkpoint that restores, and the hooks' state; or starts afresh."""
   checkpoints.warn_if_disk_low(loop.state)
   restored = checkpoints.restore_newest(loop.state, move_aside=True)
+  if restored is None and loop.config.init_from:
+    _init_from(loop.config.init_from, loop.state)
   if restored is None:
     logging.info('No checkpoint in %s: training from scratch.', checkpoints.directory)
     summaries.write_config(writer, os.path.dirname(checkpoints.directory), loop.config,
@@ -188,6 +206,27 @@ def _resume(loop: hooks.Loop, checkpoints: checkpointing.Checkpoints,
   for hook in run_hooks:
     if hook.name in progress['hooks']:
       hook.load_state_dict(progress['hooks'][hook.name])
+
+
+def _init_from(path: str, state: state_lib.TrainState) -> None:
+  """Starts the model from the weights of `path` (config.init_from): a workdir's best
+  checkpoint (else its newest), or a checkpoint directory; see `checkpointing.init_weights`."""
+  saved_path = checkpointing.checkpoint_path(path)
+  if (source := workdirs.saved_config(path)) is not None:
+    best = checkpointing.Checkpoints(path, source.best_metric,
+                                     config_checks.check_best_metric(source)).best_step()
+    if best is not None:
+      saved_path = os.path.join(path, checkpointing.CHECKPOINT_DIR, str(best), 'state')
+  loaded, _ = checkpointing.init_weights(state.model, saved_path)
+  if not loaded:
+    raise errors.ConfigError(
+        f'config.init_from={path!r}: no parameter of its checkpoint {saved_path} has the path '
+        f'and shape of one of model {state.model.__class__.__name__!r}: is it the same kind of '
+        'model?', key='init_from', value=path)
+  if state.ema is not None:  # The average starts at the loaded weights.
+    jax.tree.map(lambda average, variable: average.set_value(variable[...]), state.ema.params,
+                 nnx.state(state.model, state.ema.filter),
+                 is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _hparams_metrics(config) -> list[str]:

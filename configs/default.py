@@ -66,16 +66,41 @@ def get_config() -> ml_collections.ConfigDict:
   # Optimisation.
   config.loss = 'cross_entropy'  # training/losses.py.
   # label_smoothing: weight of the uniform distribution mixed into the targets; 0 = off.
-  config.loss_options = ml_collections.ConfigDict({'cross_entropy': {'label_smoothing': 0.0}})
+  # class_weights: None, 'balanced' (inverse class frequency in the training split) or one
+  # weight per class, multiplying each example's loss.
+  config.loss_options = ml_collections.ConfigDict({
+      'cross_entropy': {'label_smoothing': 0.0,
+                        'class_weights': ml_collections.config_dict.placeholder(object)}})
+  # Mixup and CutMix of training batches (soft targets; one of the two per batch when both are
+  # on): the alpha of the Beta distribution of the mixing weight; 0 = off.
+  config.mixup_alpha = 0.0
+  config.cutmix_alpha = 0.0
   config.optimizer = 'sgd'  # training/optimizers.py: 'sgd', 'sgd_l2', 'adam', 'adamw'.
   config.optimizer_options = ml_collections.ConfigDict({
       'sgd': {'momentum': 0.9},  # 0 = plain SGD.
       'sgd_l2': {'momentum': 0.9, 'weight_decay': 1e-4},  # L2 weight decay on the gradients.
       'adamw': {'weight_decay': 1e-4},  # Decoupled weight decay.
   })
+  # Any other optax optimizer whose first argument is the learning rate also works by name
+  # ('lamb', 'lion', 'adafactor', ...), its keyword arguments in optimizer_options.<name>.
+  # Weight decay (sgd_l2, adamw) applies to kernels, not to biases and normalisation scales.
   config.learning_rate = 0.1  # Peak learning rate.
-  config.schedule = 'constant'  # 'constant' or 'cosine' (decays to 0 at the end).
+  # 'constant', 'cosine' (to 0 at the end), 'linear' (to end_factor x) or 'step' (x factor at
+  # each boundary, a fraction of the run).
+  config.schedule = 'constant'
+  config.schedule_options = ml_collections.ConfigDict({
+      'linear': {'end_factor': 0.0}, 'step': {'boundaries': (0.5, 0.75), 'factor': 0.1}})
   config.warmup_epochs = 0.0  # Linear warm-up from 0 before the schedule, in epochs.
+  config.grad_clip_norm = 0.0  # Gradients clipped to this global norm; 0 = off.
+  # Fine-tuning: a workdir (its best checkpoint, else its latest) or checkpoint directory of
+  # this app whose weights start the model; parameters of another path or shape (a new head)
+  # start fresh. The optimizer, step and EMA start fresh; a rerun resumes from its own workdir.
+  config.init_from = ml_collections.config_dict.placeholder(str)
+  # Parameters whose path ('conv1.kernel', 'batch_norm1.scale', ...) matches one of these
+  # regular expressions are not trained; a matching BatchNorm keeps its statistics as loaded.
+  config.freeze = ()
+  # {path pattern: factor}: the learning rate of the matching parameters, times the factor.
+  config.lr_multipliers = ml_collections.ConfigDict()
   config.batch_size = 128  # Training examples per step, over all devices and processes.
   # Steps whose mean gradient makes one optimizer update (optax.MultiSteps); 1 = off. With 2, a
   # batch_size of 64 updates as a batch of 128 would, except that BatchNorm normalises (and

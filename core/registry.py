@@ -48,14 +48,16 @@ class Registry:
   """The plug-ins of one kind, by name."""
 
   def __init__(self, kind: str, key: str | None = None, package: str | None = None,
-               app_args: int = 0):
+               app_args: int = 0, fallback: Callable[[str], Callable | None] | None = None):
     """`kind` names the plug-ins in messages ('model'); `key` is the config key that names the
     chosen one (options in `<key>_options.<name>`); `package` holds their modules; `app_args`
-    is the number of positional arguments the app passes before the options."""
+    is the number of positional arguments the app passes before the options; `fallback`
+    gives a factory for a name nobody registered (or None), e.g. a library's own by name."""
     self.kind = kind
     self.key = key
     self.app_args = app_args
     self._package = package
+    self._fallback = fallback
     self._entries: dict[str, Entry] = {}
     self._imported = package is None
 
@@ -85,6 +87,8 @@ class Registry:
     """
     self._import_package()
     key = key or self.key
+    if name not in self._entries and self._fallback and (factory := self._fallback(name)):
+      self._entries[name] = Entry(factory, {})
     if name not in self._entries:
       raise errors.ConfigError(
           f'Unknown {self.kind} {name!r}: config.{key} must be one of {self.names()}.',

@@ -101,7 +101,8 @@ def read_headers(paths: list[str]) -> tuple[list[ImageHeader], list[str]]:
           [path for path, header in zip(paths, headers) if header is None])
 
 
-def _named(paths: list[str]) -> str:
+def named(paths: list[str]) -> str:
+  """A few of `paths`, and how many more."""
   more = f' and {len(paths) - _NAMED_IN_WARNING} more' if len(paths) > _NAMED_IN_WARNING else ''
   return ', '.join(paths[:_NAMED_IN_WARNING]) + more
 
@@ -110,14 +111,14 @@ def warn_skipped(paths: list[str]) -> None:
   """One warning for all the files skipped as unreadable, naming a few."""
   if paths:
     logging.warning('Skipped %d files that are not readable %s images (or are cut short): %s.',
-                    len(paths), '/'.join(FORMATS), _named(paths))
+                    len(paths), '/'.join(FORMATS), named(paths))
 
 
 def warn_transparent(headers: list[ImageHeader]) -> None:
   """One warning for the images with transparency, which are composited onto white."""
   if transparent := [header.path for header in headers if header.alpha]:
     logging.warning('%d images have transparency, composited onto a white background: %s.',
-                    len(transparent), _named(transparent))
+                    len(transparent), named(transparent))
 
 
 def _oriented(image: tf.Tensor, orientation: tf.Tensor) -> tf.Tensor:
@@ -172,53 +173,24 @@ def find_files(folder: str) -> list[str]:
   return found
 
 
-@data_sources.SOURCES.register('folder', can_stream=True)
-class FolderSource(base.RangeSource):
-  """The images under `root/<split>/<class name>/`."""
+class ImageFilesSource(base.RangeSource):
+  """Image files with their labels, by split: decoded as `decode` does, in memory or streamed.
 
-  def __init__(self, root: str, data_dir: str | None = None):
-    del data_dir  # The root is the dataset itself.
-    layout = (f'the layout is {root}/<split>/<class name>/<image file>, e.g. '
-              f'{root}/train/cat/1.jpg')
-    if not os.path.isdir(root):
-      raise errors.ConfigError(f'Image folder {root!r} does not exist (config.dataset): '
-                               f'{layout}.', key='dataset', value=root)
-    splits = [name for name in _visible_entries(root) if os.path.isdir(os.path.join(root, name))]
-    if not splits:
-      raise errors.DataError(f'Image folder {root!r} has no split folders: {layout}.', what=root)
-    class_folders = {split: [name for name in _visible_entries(os.path.join(root, split))
-                             if os.path.isdir(os.path.join(root, split, name))]
-                     for split in splits}
-    for split, classes in class_folders.items():
-      if not classes:
-        raise errors.DataError(f'Split folder {os.path.join(root, split)!r} has no class '
-                               f'folders: {layout}.', what=os.path.join(root, split))
-    class_names = sorted({name for names in class_folders.values() for name in names})
-    paths = {(split, name): find_files(os.path.join(root, split, name))
-             for split, names in class_folders.items() for name in names}
-    logging.info('Image folder %s: splits %s, %d classes.', root, splits, len(class_names))
-    headers, skipped = read_headers([path for files in paths.values() for path in files])
-    warn_skipped(skipped)
-    if not headers:
-      raise errors.DataError(f'Image folder {root!r} holds no readable '
-                             f'{"/".join(FORMATS)} image ({len(skipped)} unreadable files).',
-                             what=root)
-    warn_transparent(headers)
+  Within a split, files are ordered by a hash of their path relative to `root`: stable across
+  runs and machines, and mixed across classes.
+  """
+
+  def __init__(self, name: str, root: str, files: dict[str, list[tuple[str, int]]],
+               headers: list[ImageHeader], class_names: list[str]):
     self._headers = {header.path: header for header in headers}
-    self._files = {split: [] for split in splits}  # split -> [(path, label)]
-    for (split, name), files in paths.items():
-      files = [path for path in files if path in self._headers]
-      if not files:
-        raise errors.DataError(f'Class folder {os.path.join(root, split, name)!r} holds no '
-                               f'readable {"/".join(FORMATS)} image: add images or remove it.',
-                               what=os.path.join(root, split, name))
-      self._files[split] += [(path, class_names.index(name)) for path in files]
-    for split, files in self._files.items():
-      files.sort(key=lambda file: hashlib.md5(os.path.relpath(file[0], root).encode()).digest())
+    self._files = files  # split -> [(path, label)]
+    for split_files in files.values():
+      split_files.sort(
+          key=lambda file: hashlib.md5(os.path.relpath(file[0], root).encode()).digest())
     self._channels = 1 if all(header.gray for header in headers) else 3
     sizes = {header.size for header in headers}
     self._size = sizes.pop() if len(sizes) == 1 else (None, None)
-    super().__init__(root, {split: len(files) for split, files in self._files.items()},
+    super().__init__(name, {split: len(split_files) for split, split_files in files.items()},
                      len(class_names), self._load_range, class_names)
 
   @property
@@ -252,3 +224,47 @@ class FolderSource(base.RangeSource):
             'image': decode(path, self._channels, orientation, alpha),
             'label': tf.cast(label, tf.int32)},
         num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
+@data_sources.SOURCES.register('folder', can_stream=True)
+class FolderSource(ImageFilesSource):
+  """The images under `root/<split>/<class name>/`."""
+
+  def __init__(self, root: str, data_dir: str | None = None):
+    del data_dir  # The root is the dataset itself.
+    layout = (f'the layout is {root}/<split>/<class name>/<image file>, e.g. '
+              f'{root}/train/cat/1.jpg')
+    if not os.path.isdir(root):
+      raise errors.ConfigError(f'Image folder {root!r} does not exist (config.dataset): '
+                               f'{layout}.', key='dataset', value=root)
+    splits = [name for name in _visible_entries(root) if os.path.isdir(os.path.join(root, name))]
+    if not splits:
+      raise errors.DataError(f'Image folder {root!r} has no split folders: {layout}.', what=root)
+    class_folders = {split: [name for name in _visible_entries(os.path.join(root, split))
+                             if os.path.isdir(os.path.join(root, split, name))]
+                     for split in splits}
+    for split, classes in class_folders.items():
+      if not classes:
+        raise errors.DataError(f'Split folder {os.path.join(root, split)!r} has no class '
+                               f'folders: {layout}.', what=os.path.join(root, split))
+    class_names = sorted({name for names in class_folders.values() for name in names})
+    paths = {(split, name): find_files(os.path.join(root, split, name))
+             for split, names in class_folders.items() for name in names}
+    logging.info('Image folder %s: splits %s, %d classes.', root, splits, len(class_names))
+    headers, skipped = read_headers([path for files in paths.values() for path in files])
+    warn_skipped(skipped)
+    if not headers:
+      raise errors.DataError(f'Image folder {root!r} holds no readable '
+                             f'{"/".join(FORMATS)} image ({len(skipped)} unreadable files).',
+                             what=root)
+    warn_transparent(headers)
+    readable = {header.path for header in headers}
+    files = {split: [] for split in splits}  # split -> [(path, label)]
+    for (split, name), paths_of_class in paths.items():
+      paths_of_class = [path for path in paths_of_class if path in readable]
+      if not paths_of_class:
+        raise errors.DataError(f'Class folder {os.path.join(root, split, name)!r} holds no '
+                               f'readable {"/".join(FORMATS)} image: add images or remove it.',
+                               what=os.path.join(root, split, name))
+      files[split] += [(path, class_names.index(name)) for path in paths_of_class]
+    super().__init__(root, root, files, headers, class_names)

@@ -70,7 +70,13 @@ def saved(workdir, step=None):
   """(step, {leaf name: array}) of the state of a checkpoint (default: the latest)."""
   manager = ocp.CheckpointManager(os.path.join(workdir, checkpointing.CHECKPOINT_DIR))
   step = manager.latest_step() if step is None else step
-  tree = ocp.StandardCheckpointer().restore(os.path.join(manager.directory, str(step), 'state'))
+  path = os.path.join(manager.directory, str(step), 'state')
+  checkpointer = ocp.StandardCheckpointer()
+  # Onto this process's first device, whatever devices and processes saved it.
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  tree = checkpointer.restore(path, jax.tree.map(
+      lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device),
+      checkpointer.metadata(path).item_metadata))
   return step, {jax.tree_util.keystr(path): np.asarray(
       jax.random.key_data(leaf) if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
       else leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}

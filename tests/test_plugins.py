@@ -67,7 +67,8 @@ def invert(probability=0.5):
 
 
 @losses.LOSSES.register('squared_for_test')
-def squared(num_classes, *, scale=1.0):
+def squared(num_classes, class_counts, *, scale=1.0):
+  del class_counts  # Not needed.
   """A Brier score: the squared distance of the softmax from the targets."""
   def loss(logits, targets):
     return scale * ((jax.nn.softmax(logits) - losses.soft_targets(targets, num_classes))**2).sum(-1)

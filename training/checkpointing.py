@@ -57,14 +57,11 @@ def io_failure(error: BaseException) -> str | None:
 
 def _flat_shapes(tree) -> dict[str, tuple[int, ...]]:
   """{'model.linear1.kernel.value': shape} for every leaf; PRNG keys count as their key data."""
-  def name(path):
-    return '.'.join(str(getattr(key, 'key', getattr(key, 'name', getattr(key, 'idx', key))))
-                    for key in path)
   def shape(leaf):
     if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
       leaf = jax.eval_shape(jax.random.key_data, leaf)
     return tuple(leaf.shape)
-  return {name(path): shape(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+  return {name: shape(leaf) for name, leaf in _flat(tree).items()}
 
 
 def _differences(saved: dict[str, tuple], wanted: dict[str, tuple]) -> list[str]:
@@ -100,6 +97,69 @@ def _orbax_warnings_only(record) -> bool:
     return True
   return (record.levelno >= python_logging.WARNING
           and 'raised an exception' not in record.getMessage())
+
+
+def checkpoint_path(path: str) -> str:
+  """The `state` item of what `path` names: a checkpoint step directory of this app, a
+  checkpoints directory or a workdir (then its newest checkpoint). A `ConfigError` if it names
+  none."""
+  for candidate in (path, os.path.join(path, CHECKPOINT_DIR)):
+    if os.path.isdir(os.path.join(candidate, 'state')):
+      return os.path.join(candidate, 'state')
+    steps = [int(name) for name in (os.listdir(candidate) if os.path.isdir(candidate) else ())
+             if name.isdigit()]
+    if steps:
+      return os.path.join(candidate, str(max(steps)), 'state')
+  raise errors.ConfigError(f'config.init_from={path!r} is not a checkpoint, checkpoints '
+                           'directory or workdir of this app: pass one (e.g. runs/mnist).',
+                           key='init_from', value=path)
+
+
+def read_state(path: str) -> dict[str, object]:
+  """{'model.conv1.kernel': array, ...} of the `state` item at `path`, on this host, whatever
+  devices and processes wrote it."""
+  checkpointer = ocp.StandardCheckpointer()
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  tree = checkpointer.restore(path, jax.tree.map(
+      lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device),
+      checkpointer.metadata(path).item_metadata))
+  return {name.removesuffix('.value'): leaf for name, leaf in _flat(tree).items()}
+
+
+def _flat(tree, is_leaf=None) -> dict[str, object]:
+  """{'model.conv1.kernel.value': leaf} of a pytree."""
+  def name(path):
+    return '.'.join(str(getattr(key, 'key', getattr(key, 'name', getattr(key, 'idx', key))))
+                    for key in path)
+  return {name(path): leaf
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf)}
+
+
+def init_weights(model: nnx.Module, saved_path: str) -> tuple[list[str], list[str]]:
+  """Loads into `model` the weights (parameters and BatchNorm statistics) of the `state` item
+  at `saved_path` whose path and shape match: the averaged weights when that run kept an EMA.
+  Returns the names loaded and the others (left as initialised, with the reason)."""
+  saved = read_state(saved_path)
+  prefix = 'ema.params.' if any(name.startswith('ema.params.') for name in saved) else 'model.'
+  loaded, fresh = [], []
+  for name, variable in _flat_variables(model):
+    source = saved.get(prefix + name)
+    if source is None:
+      fresh.append(f'{name} (not in the checkpoint)')
+    elif source.shape != variable.shape:
+      fresh.append(f'{name} ({tuple(variable.shape)}, {tuple(source.shape)} there)')
+    else:
+      variable.set_value(jax.device_put(source, variable[...].sharding))
+      loaded.append(name)
+  logging.info('Initialised the model from %s: loaded %d arrays%s.', saved_path, len(loaded),
+               f'; re-initialised {len(fresh)}: {", ".join(fresh)}' if fresh else '')
+  return loaded, fresh
+
+
+def _flat_variables(model: nnx.Module) -> list[tuple[str, nnx.Variable]]:
+  """('conv1.kernel', its Variable) for every parameter and BatchNorm statistic."""
+  state = nnx.state(model, nnx.Any(nnx.Param, nnx.BatchStat))
+  return list(_flat(state, is_leaf=lambda x: isinstance(x, nnx.Variable)).items())
 
 
 class Checkpoints:

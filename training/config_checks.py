@@ -6,6 +6,8 @@ plug-ins: the best metric against the evaluators, the batch size against the dev
 training split.
 """
 
+import re
+
 import ml_collections
 
 from core import errors
@@ -55,11 +57,15 @@ def check_config(config: ml_collections.ConfigDict) -> None:
       ('ema_decay', lambda value: 0 <= value < 1, 'in [0, 1) (0 = off)'),
       ('warmup_epochs', lambda value: 0 <= value <= config.num_epochs,
        f'in [0, num_epochs={config.num_epochs}]'),
-      ('early_stopping_min_delta', lambda value: value >= 0, '>= 0')):
+      ('early_stopping_min_delta', lambda value: value >= 0, '>= 0'),
+      ('grad_clip_norm', lambda value: value >= 0, '>= 0 (0 = off)'),
+      ('mixup_alpha', lambda value: value >= 0, '>= 0 (0 = off)'),
+      ('cutmix_alpha', lambda value: value >= 0, '>= 0 (0 = off)')):
     value = config[key]
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     _require(number and valid(value), key, value,
              f'config.{key}={value!r} is invalid: it must be {interval}.')
+  _check_parameter_patterns(config)
   for registry in _REGISTRIES:
     registry.check(config)
   # Checks the values only: a named backend keeps JAX (and its accelerators) unstarted.
@@ -67,6 +73,21 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   preprocessing.parse(config.preprocess)
   input_pipeline.check_input(config)
   check_best_metric(config)
+
+
+def _check_parameter_patterns(config: ml_collections.ConfigDict) -> None:
+  """Checks config.freeze (regular expressions) and config.lr_multipliers (pattern: factor)."""
+  patterns = [('freeze', pattern) for pattern in config.freeze] + [
+      ('lr_multipliers', pattern) for pattern in config.lr_multipliers]
+  for key, pattern in patterns:
+    try:
+      re.compile(pattern)
+    except (re.error, TypeError) as error:
+      raise errors.ConfigError(f'config.{key} has {pattern!r}, which is not a regular '
+                               f'expression ({error}).', key=key, value=pattern) from None
+  for pattern, factor in config.lr_multipliers.items():
+    _require(isinstance(factor, (int, float)) and factor > 0, 'lr_multipliers', factor,
+             f'config.lr_multipliers.{pattern}={factor!r} is invalid: it must be > 0.')
 
 
 def check_best_metric(config: ml_collections.ConfigDict) -> bool:

@@ -44,19 +44,17 @@ class Evaluation:
   def compile(self, model: nnx.Module, batch_shapes: dict) -> None:
     """Compiles the eval step for batches of `batch_shapes` (`parallel.abstract_batch`), before
     the data exists; the first real call reuses the executable."""
-    model.eval()
-    self._eval_step.lower(model, self._initial_states(), batch_shapes).compile()
-    model.train()
+    with state_lib.eval_mode(model):
+      self._eval_step.lower(model, self._initial_states(), batch_shapes).compile()
 
   def run(self, model: nnx.Module, batches) -> Result:
     """Scores `model` in eval mode (running BatchNorm averages, no dropout) on every batch of
     the split (padded, masked and sharded as `parallel.eval_batches` gives them)."""
     start = time.time()
-    model.eval()
     states = self._initial_states()
-    for batch in batches:
-      states = self._eval_step(model, states, batch)
-    model.train()
+    with state_lib.eval_mode(model):
+      for batch in batches:
+        states = self._eval_step(model, states, batch)
     states = jax.tree.map(parallel.to_host, states)
     scalars, images, per_class = {}, {}, {}
     for evaluator, state in zip(self._evaluators, states):

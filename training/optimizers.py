@@ -2,18 +2,44 @@
 
 An optimizer is registered with `@OPTIMIZERS.register(name)`: a factory that takes the learning
 rate (a schedule) and its options (from `config.optimizer_options.<name>`) and returns an
-`optax.GradientTransformation`. A schedule is registered with `@SCHEDULES.register(name)`: a
+`optax.GradientTransformation`. Any other optax optimizer whose first argument is the learning
+rate (`lamb`, `lion`, `adafactor`, `rmsprop`, ...) works by its optax name, its keyword
+arguments from the same section. A schedule is registered with `@SCHEDULES.register(name)`: a
 factory that takes the peak learning rate, the number of optimizer updates it spans and its
 options (`config.schedule_options.<name>`). Any schedule can start with a linear warm-up of
 `config.warmup_epochs`.
+
+Around the optimizer, from the config: gradient clipping (`grad_clip_norm`), frozen parameters
+and learning-rate multipliers by parameter path (`freeze`, `lr_multipliers`, through
+`optax.multi_transform`), skipping non-finite updates (`nonfinite='skip'`) and gradient
+accumulation (`grad_accum_steps`).
 """
 
+from collections.abc import Callable
+import inspect
+import re
+
+import jax
 import ml_collections
 import optax
 
 from core import registry
 
-OPTIMIZERS = registry.Registry('optimizer', key='optimizer', app_args=1)  # (learning_rate)
+
+def _optax_optimizer(name: str) -> Callable | None:
+  """optax.<name> when it is an optimizer taking the learning rate first."""
+  factory = getattr(optax, name, None)
+  if not callable(factory) or inspect.isclass(factory):
+    return None
+  try:
+    parameters = list(inspect.signature(factory).parameters)
+  except (TypeError, ValueError):
+    return None
+  return factory if parameters[:1] == ['learning_rate'] else None
+
+
+OPTIMIZERS = registry.Registry('optimizer', key='optimizer', app_args=1,  # (learning_rate)
+                               fallback=_optax_optimizer)
 # (learning_rate, num_updates)
 SCHEDULES = registry.Registry('schedule', key='schedule', app_args=2)
 NONFINITE = ('halt', 'skip')
@@ -27,6 +53,12 @@ def _check_momentum(momentum: float) -> None:
     raise ValueError(f'momentum={momentum!r} must be in [0, 1) (0 = plain SGD)')
 
 
+def decay_mask(params) -> object:
+  """True for the weights that weight decay applies to: kernels (2 or more dimensions), not
+  biases or normalisation scales, as in most recipes (timm, big_vision)."""
+  return jax.tree.map(lambda param: param.ndim > 1, params)
+
+
 @OPTIMIZERS.register('sgd')
 def sgd(learning_rate: optax.Schedule, *, momentum: float = 0.9,
         nesterov: bool = False) -> optax.GradientTransformation:
@@ -38,10 +70,10 @@ def sgd(learning_rate: optax.Schedule, *, momentum: float = 0.9,
 @OPTIMIZERS.register('sgd_l2')
 def sgd_l2(learning_rate: optax.Schedule, *, momentum: float = 0.9,
            weight_decay: float = 1e-4) -> optax.GradientTransformation:
-  """SGD with L2 weight decay added to the gradients, as torch.optim.SGD's weight_decay and the
-  classic ResNet recipes apply it."""
+  """SGD with L2 weight decay of the kernels added to the gradients, as the classic ResNet
+  recipes apply it (torch.optim.SGD's weight_decay, but not on biases and scales)."""
   _check_momentum(momentum)
-  return optax.chain(optax.add_decayed_weights(weight_decay),
+  return optax.chain(optax.add_decayed_weights(weight_decay, mask=decay_mask),
                      optax.sgd(learning_rate, momentum=momentum or None))
 
 
@@ -54,8 +86,8 @@ def adam(learning_rate: optax.Schedule, *, b1: float = 0.9,
 @OPTIMIZERS.register('adamw')
 def adamw(learning_rate: optax.Schedule, *, weight_decay: float = 1e-4, b1: float = 0.9,
           b2: float = 0.999) -> optax.GradientTransformation:
-  """Adam with decoupled weight decay."""
-  return optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay)
+  """Adam with decoupled weight decay of the kernels."""
+  return optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask)
 
 
 @SCHEDULES.register('constant')
@@ -68,6 +100,22 @@ def constant(learning_rate: float, num_updates: int) -> optax.Schedule:
 def cosine(learning_rate: float, num_updates: int) -> optax.Schedule:
   """From `learning_rate` down to 0 at the last update, along a half cosine."""
   return optax.cosine_decay_schedule(learning_rate, decay_steps=max(num_updates, 1))
+
+
+@SCHEDULES.register('linear')
+def linear(learning_rate: float, num_updates: int, *, end_factor: float = 0.0) -> optax.Schedule:
+  """From `learning_rate` linearly down to `end_factor` times it at the last update."""
+  return optax.linear_schedule(learning_rate, learning_rate * end_factor, max(num_updates, 1))
+
+
+@SCHEDULES.register('step')
+def step(learning_rate: float, num_updates: int, *, boundaries: tuple[float, ...] = (0.5, 0.75),
+         factor: float = 0.1) -> optax.Schedule:
+  """`learning_rate`, multiplied by `factor` at each boundary (fractions of the run)."""
+  if any(not 0 < boundary < 1 for boundary in boundaries):
+    raise ValueError(f'boundaries={boundaries!r} must be fractions of the run in (0, 1)')
+  return optax.piecewise_constant_schedule(
+      learning_rate, {int(boundary * num_updates): factor for boundary in boundaries})
 
 
 def updates_per_epoch(config: ml_collections.ConfigDict, steps_per_epoch: int) -> float:
@@ -90,15 +138,48 @@ def create_learning_rate_schedule(config: ml_collections.ConfigDict,
       [warmup_updates])
 
 
+def path_name(path) -> str:
+  """'linear2.kernel' for the path of a parameter in an `nnx.State`."""
+  names = [str(getattr(key, 'key', getattr(key, 'name', key))) for key in path]
+  return '.'.join(names[:-1] if names[-1:] == ['value'] else names)
+
+
+def frozen(config: ml_collections.ConfigDict, name: str) -> bool:
+  """Whether the parameter or module at path `name` matches a `config.freeze` pattern."""
+  return any(re.search(pattern, name) for pattern in config.freeze)
+
+
+def parameter_groups(config: ml_collections.ConfigDict) -> Callable:
+  """A function of the parameters giving each its group: 'frozen' (a path matching a
+  `config.freeze` pattern), 'x<multiplier>' (matching an `config.lr_multipliers` pattern) or
+  'default'. Paths are dotted, such as 'linear2.kernel'; patterns are regular expressions
+  searched in them ('conv1' matches 'conv1.kernel' and 'conv1.bias')."""
+  multipliers = dict(config.lr_multipliers)
+
+  def group(path) -> str:
+    name = path_name(path)
+    if frozen(config, name):
+      return 'frozen'
+    for pattern, multiplier in multipliers.items():
+      if re.search(pattern, name):
+        return f'x{multiplier}'
+    return 'default'
+
+  return lambda params: jax.tree_util.tree_map_with_path(lambda path, _: group(path), params)
+
+
 def create_optimizer(config: ml_collections.ConfigDict,
                      schedule: optax.Schedule) -> optax.GradientTransformation:
-  """`config.optimizer` driven by `schedule`.
-
-  With `config.grad_accum_steps` > 1 it updates the parameters every that many steps, with the
-  mean of their gradients (`optax.MultiSteps`). With `config.nonfinite='skip'`, an update whose
-  gradients are not finite is skipped (`optax.apply_if_finite`).
-  """
+  """`config.optimizer` driven by `schedule`, with what the config adds around it (see the
+  module docstring)."""
   optimizer = OPTIMIZERS.create(config, schedule)
+  if config.freeze or config.lr_multipliers:
+    transforms = {'default': optimizer, 'frozen': optax.set_to_zero()}
+    transforms.update({f'x{multiplier}': optax.chain(optimizer, optax.scale(multiplier))
+                       for multiplier in dict(config.lr_multipliers).values()})
+    optimizer = optax.multi_transform(transforms, parameter_groups(config))
+  if config.grad_clip_norm:
+    optimizer = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), optimizer)
   if config.nonfinite == 'skip':
     optimizer = optax.apply_if_finite(optimizer, MAX_SKIPPED_UPDATES)
   if config.grad_accum_steps > 1:

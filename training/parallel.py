@@ -87,6 +87,13 @@ def to_host(array: jax.Array) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
+def sum_over_processes(array: np.ndarray) -> np.ndarray:
+  """The sum of each process's `array` (every process calls it: a collective)."""
+  if jax.process_count() == 1:
+    return array
+  return np.asarray(multihost_utils.process_allgather(array)).sum(axis=0)
+
+
 def process_split(split: str, drop_remainder: bool = False) -> tfds.typing.SplitArg:
   """This process's slice of `split`; the split itself in a single-process run.
 

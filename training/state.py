@@ -5,6 +5,7 @@ when config.ema_decay is set) and the sums behind the train metrics. The train s
 in place inside one XLA program; the eval step folds a batch into the evaluators' states.
 """
 
+import contextlib
 from collections.abc import Callable
 
 from flax import nnx
@@ -20,6 +21,7 @@ from training import losses
 from training import optimizers
 
 Batch = dict[str, jax.Array]
+_MODE_ATTRIBUTES = ('deterministic', 'use_running_average')  # What train() and eval() set.
 
 
 class MetricSums(nnx.Module):
@@ -104,7 +106,29 @@ def create(config: ml_collections.ConfigDict, info: base.DatasetInfo,
     return TrainState(model, nnx.Optimizer(model, optimizer, wrt=nnx.Param),
                       create_ema(config, model))
 
-  return nnx.jit(create_state).lower().compile({'xla_backend_optimization_level': 0})()
+  state = nnx.jit(create_state).lower().compile({'xla_backend_optimization_level': 0})()
+  for path, module in nnx.iter_modules(state.model):
+    # A frozen BatchNorm normalises with its statistics as loaded, in training too.
+    if isinstance(module, nnx.BatchNorm) and optimizers.frozen(config, optimizers.path_name(
+        path + ('value',))):
+      module.use_running_average = True
+  return state
+
+
+@contextlib.contextmanager
+def eval_mode(model: nnx.Module):
+  """`model` in eval mode (running BatchNorm averages, no dropout) inside the block; after it,
+  every module's mode as it was (a frozen BatchNorm stays in eval mode)."""
+  modes = [(module, {name: getattr(module, name) for name in _MODE_ATTRIBUTES
+                     if hasattr(module, name)})
+           for _, module in nnx.iter_modules(model)]
+  model.eval()
+  try:
+    yield model
+  finally:
+    for module, attributes in modes:
+      for name, value in attributes.items():
+        setattr(module, name, value)
 
 
 def make_train_step(loss: losses.Loss) -> Callable[[TrainState, Batch], None]:
@@ -112,9 +136,11 @@ def make_train_step(loss: losses.Loss) -> Callable[[TrainState, Batch], None]:
 
   @nnx.jit(donate_argnums=0)
   def train_step(state: TrainState, batch: Batch) -> None:
+    targets = batch.get('target', batch['label'])  # Soft targets of mixed batches.
+
     def loss_fn(model):
       logits = model(batch['image']).astype(jnp.float32)  # The loss in float32, whatever the
-      return loss(logits, batch['label']).mean(), logits  # model computes in.
+      return loss(logits, targets).mean(), logits  # model computes in.
 
     (_, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(state.model)
     state.optimizer.update(state.model, grads)
@@ -157,9 +183,8 @@ def recompute_batch_statistics(model: nnx.Module, batches) -> None:
   these give 98.7% (MNIST in bfloat16, 2 epochs): docs/training_options.md.
   """
   probe = nnx.clone(model)
-  probe.train()
-  for _, module in nnx.iter_modules(probe):
-    if isinstance(module, nnx.BatchNorm):
+  for _, module in nnx.iter_modules(probe):  # `model` is in training mode.
+    if isinstance(module, nnx.BatchNorm) and not module.use_running_average:  # Not frozen.
       module.momentum = 0.0
     elif isinstance(module, nnx.Dropout):
       module.deterministic = True

@@ -1,0 +1,164 @@
+"""Fine-tuning and real-world training options: init_from with a new head, frozen layers and
+learning-rate multipliers, class weights, Mixup/CutMix, any optax optimizer, clipping,
+schedules."""
+
+from flax import nnx
+import jax
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from configs import default
+from core import errors
+import input_pipeline
+import preprocessing
+from preprocessing import mix
+import train
+from training import checkpointing
+from training import config_checks
+from training import losses
+from training import optimizers
+from training import state as state_lib
+from test_plugins import _config as stripes_config
+from test_train import INFO
+from test_train import create
+from test_train import random_batch
+
+
+def _weights(model):
+  return {name: np.array(variable[...])
+          for name, variable in checkpointing._flat_variables(model)}  # pylint: disable=protected-access
+
+
+def test_init_from_loads_matching_weights_and_reinitialises_a_new_head(tmp_path):
+  source = stripes_config()
+  source.update(model='cnn', loss='cross_entropy', optimizer='sgd', preprocess='', num_epochs=1,
+                evaluators='loss|accuracy', best_metric='eval/accuracy', ema_decay=0.5)
+  source.model_options.cnn.update(conv1_features=4, conv2_features=8, hidden_features=16)
+  train.train_and_evaluate(source, str(tmp_path / 'source'))
+  saved = checkpointing.read_state(checkpointing.checkpoint_path(str(tmp_path / 'source')))
+
+  # The same model with 3 classes: everything but the head comes from the EMA of the source.
+  target = default.get_config()
+  target.model_options.cnn.update(conv1_features=4, conv2_features=8, hidden_features=16)
+  info = INFO.__class__(**{**INFO.__dict__, 'image_shape': (8, 8, 1), 'num_classes': 3})
+  state = state_lib.create(target, info, 10)
+  loaded, fresh = checkpointing.init_weights(
+      state.model, checkpointing.checkpoint_path(str(tmp_path / 'source')))
+  assert sorted(fresh) == ['linear2.bias ((3,), (2,) there)',
+                           'linear2.kernel ((16, 3), (16, 2) there)']
+  assert 'conv1.kernel' in loaded and 'batch_norm1.mean' in loaded and len(loaded) == 14
+  weights = _weights(state.model)
+  np.testing.assert_array_equal(weights['conv1.kernel'], saved['ema.params.conv1.kernel'])
+  # Nothing matching: one line naming init_from.
+  mlp = default.get_config()
+  mlp.update(model='mlp', init_from=str(tmp_path / 'source'), data_source='stripes_for_test',
+             dataset='s', eval_split='test', batch_size=16, num_epochs=1)
+  mlp.data_source_options.stripes_for_test = {'size': 8}
+  with pytest.raises(errors.ConfigError) as error:
+    train.train_and_evaluate(mlp, str(tmp_path / 'mlp'))
+  assert error.value.key == 'init_from'
+
+
+def test_frozen_parameters_and_batch_norm_statistics_do_not_move():
+  state, train_step = create(freeze=('conv1', 'batch_norm1'), lr_multipliers={'linear2': 10.0})
+  before = _weights(state.model)
+  for seed in range(3):
+    train_step(state, random_batch(32, seed))
+  after = _weights(state.model)
+  for name in before:
+    frozen = name.startswith(('conv1.', 'batch_norm1.'))
+    assert np.array_equal(before[name], after[name]) == frozen, name
+  assert state.model.batch_norm1.use_running_average  # Normalises with its own statistics.
+  assert not state.model.batch_norm2.use_running_average
+  # The multiplier scales the head's update: 10x the plain run's first step.
+  plain, plain_step = create()
+  scaled, scaled_step = create(lr_multipliers={'linear2': 10.0})
+  starts = [_weights(s.model)['linear2.kernel'] for s in (plain, scaled)]
+  plain_step(plain, random_batch(32))
+  scaled_step(scaled, random_batch(32))
+  np.testing.assert_allclose(_weights(scaled.model)['linear2.kernel'] - starts[1],
+                             10 * (_weights(plain.model)['linear2.kernel'] - starts[0]),
+                             rtol=1e-4, atol=1e-6)
+
+
+def test_balanced_class_weights_follow_the_counts():
+  counts = np.array([90, 10, 50])
+  weights = losses.class_weight_vector('balanced', 3, lambda: counts)
+  np.testing.assert_allclose(weights, 150 / (3 * counts))
+  loss = losses.cross_entropy(3, lambda: counts, class_weights='balanced')
+  logits = np.zeros((3, 3), np.float32)
+  np.testing.assert_allclose(loss(logits, np.array([0, 1, 2])), np.log(3) * weights, rtol=1e-6)
+  for bad in ('inverse', [1.0, 2.0], [1.0, -1.0, 1.0]):
+    with pytest.raises(ValueError):
+      losses.class_weight_vector(bad, 3, lambda: counts)
+
+
+def test_mixup_and_cutmix_targets_match_the_pixels():
+  images = tf.constant(np.stack([np.full((8, 8, 1), k, np.float32) for k in range(4)]))
+  labels = tf.constant([0, 1, 2, 3])
+  for mixup_alpha, cutmix_alpha in ((1.0, 0.0), (0.0, 1.0), (1.0, 1.0)):
+    mixed, targets = mix.mix(images, labels, 4, tf.constant([3, 4], tf.int64), mixup_alpha,
+                             cutmix_alpha)
+    targets = targets.numpy()
+    np.testing.assert_allclose(targets.sum(axis=1), 1, rtol=1e-6)
+    # Each image's mean pixel is the target-weighted mean of the classes' pixel values.
+    np.testing.assert_allclose(mixed.numpy().mean(axis=(1, 2, 3)), targets @ np.arange(4),
+                               rtol=1e-5, atol=1e-5)
+    again, _ = mix.mix(images, labels, 4, tf.constant([3, 4], tf.int64), mixup_alpha,
+                       cutmix_alpha)
+    np.testing.assert_array_equal(again.numpy(), mixed.numpy())  # Seeded.
+
+
+def test_mixed_batches_carry_soft_targets_and_train():
+  config = default.get_config()
+  config.update(mixup_alpha=0.2, cutmix_alpha=1.0, batch_size=8, num_epochs=1,
+                shuffle_buffer_size=8)
+  rng = np.random.default_rng(0)
+  split = input_pipeline.base.Split(images=rng.integers(0, 256, (32, 28, 28, 1), np.uint8),
+                                    labels=rng.integers(0, 10, 32).astype(np.int32))
+  data = input_pipeline.Data(None, preprocessing.parse(''), INFO)
+  batch = next(input_pipeline.train_batches(split, data, config, 8))
+  assert batch['target'].shape == (8, 10)
+  np.testing.assert_allclose(batch['target'].sum(1), 1, rtol=1e-6)
+  state, train_step = create(mixup_alpha=0.2, cutmix_alpha=1.0,
+                             loss_options={'cross_entropy': {'label_smoothing': 0.1,
+                                                             'class_weights': None}})
+  train_step(state, batch)
+  assert np.isfinite(state.window.results()['train/loss'])
+
+
+def test_any_optax_optimizer_by_name_clipping_and_schedules():
+  state, train_step = create(optimizer='lamb', learning_rate=1e-3, grad_clip_norm=1.0,
+                             optimizer_options={'lamb': {'b1': 0.8}})
+  before = _weights(state.model)['linear1.kernel']
+  train_step(state, random_batch(32))
+  assert not np.array_equal(before, _weights(state.model)['linear1.kernel'])
+  config = default.get_config()
+  config.update(optimizer='lamb', learning_rate=1e-3)
+  config.optimizer_options.lamb = {'beta': 0.5}
+  with pytest.raises(errors.ConfigError) as error:
+    config_checks.check_config(config)
+  assert error.value.key == 'optimizer_options.lamb.beta'
+  config = default.get_config()
+  config.update(num_epochs=4, learning_rate=1.0, schedule='step')
+  schedule = optimizers.create_learning_rate_schedule(config, steps_per_epoch=10)
+  assert [float(schedule(step)) for step in (0, 19, 20, 30, 39)] == pytest.approx(
+      [1.0, 1.0, 0.1, 0.01, 0.01])
+  config.schedule = 'linear'
+  schedule = optimizers.create_learning_rate_schedule(config, steps_per_epoch=10)
+  assert float(schedule(20)) == pytest.approx(0.5)
+  # Weight decay spares biases and normalisation scales.
+  mask = optimizers.decay_mask(nnx.state(state.model, nnx.Param))
+  assert jax.tree.leaves(mask) == [leaf.ndim > 1 for leaf in jax.tree.leaves(
+      nnx.state(state.model, nnx.Param))]
+
+
+@pytest.mark.parametrize('key,value', [('freeze', ('conv[',)), ('lr_multipliers', {'x': -1.0}),
+                                       ('grad_clip_norm', -1.0), ('mixup_alpha', -0.5)])
+def test_bad_values_name_the_key(key, value):
+  config = default.get_config()
+  config[key] = value
+  with pytest.raises(errors.ConfigError) as error:
+    config_checks.check_config(config)
+  assert error.value.key == key
