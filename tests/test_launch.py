@@ -1,8 +1,10 @@
 """Launches as users run them: the SLURM script's preempt-save-requeue-resume cycle on 2 local
 processes (stand-ins for srun and scontrol), and 2 processes x 2 devices against 1 x 4."""
 
+import glob
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -43,7 +45,7 @@ FAKE_SCONTROL = '#!/bin/bash\necho "$@" >> "$TASK_LOGS/scontrol.log"\n'
 def _fake_slurm(tmp_path, job_id):
   """An environment whose PATH has the stand-ins, as sbatch sets it up for the script."""
   bin_dir, logs = tmp_path / 'bin', tmp_path / 'logs'
-  bin_dir.mkdir()
+  bin_dir.mkdir(parents=True)
   logs.mkdir()
   for name, text in (('srun', FAKE_SRUN), ('scontrol', FAKE_SCONTROL)):
     (bin_dir / name).write_text(text)
@@ -89,7 +91,7 @@ def test_slurm_script_saves_on_usr1_requeues_and_the_requeued_job_resumes_bit_ex
     steps.add(int(log.split('saved a checkpoint at step ')[1].split()[0]))
   step, = steps  # Both saved the same step...
   assert 6 <= step < 32
-  assert sorted(os.listdir(requeued / 'checkpoints')) == [str(step)]
+  assert max(map(int, os.listdir(requeued / 'checkpoints'))) == step  # The newest.
 
   # ...and the requeued job (the same command again) resumes from it to the uninterrupted end.
   again = subprocess.run(['bash', SCRIPT, *_flags(requeued, tfds_data_dir)], env=env, cwd=ROOT,
@@ -122,6 +124,11 @@ def _launch(workdir, flags, num_processes, devices_per_process):
       run.kill()
   for run, log in zip(runs, logs):
     assert run.returncode == 0, log[-3000:]
+  # Only process 0 writes summaries: every event file in the workdir is its own (event file
+  # names end in .<pid>.<index>.v2).
+  writers = {re.search(r'\.(\d+)\.\d+\.v2$', path).group(1)
+             for path in glob.glob(os.path.join(workdir, 'events.out.tfevents.*'))}
+  assert writers == {str(runs[0].pid)}
   return logs
 
 
