@@ -12,18 +12,23 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   # Data.
-  # Where the data comes from: 'tfds', 'folder' (root/<split>/<class>/<image>), 'huggingface'
-  # or 'torchvision' (data_sources/).
+  # Where the data comes from: 'tfds', 'folder' (root/<split>/<class>/<image>), 'csv' (a CSV
+  # of file,label[,split] rows), 'huggingface' or 'torchvision' (data_sources/).
   config.data_source = 'tfds'
   # TFDS name (registered, or prepared in data_dir) or Hugging Face name (or local dir) of an
-  # image-classification dataset, an image folder's root, or a torchvision.datasets class name.
+  # image-classification dataset, an image folder's root, a CSV file, or a torchvision.datasets
+  # class name.
   config.dataset = 'mnist'
   # TFDS data dir, Hugging Face cache dir or torchvision root; None = TFDS's (or Hugging Face's)
   # default, which honours $TFDS_DATA_DIR. A typed placeholder so that --config.data_dir=/path
   # can override it.
   config.data_dir = ml_collections.config_dict.placeholder(str)
-  # torchvision.download: download the dataset into data_dir if missing.
-  config.data_source_options = ml_collections.ConfigDict({'torchvision': {'download': False}})
+  # torchvision.download: download the dataset into data_dir if missing. csv: the folder of
+  # the images (relative to the CSV's), the columns, and an extension for bare ids ('.png').
+  config.data_source_options = ml_collections.ConfigDict({
+      'torchvision': {'download': False},
+      'csv': {'images': '', 'file_column': 'file', 'label_column': 'label',
+              'split_column': 'split', 'extension': ''}})
   config.train_split = 'train'  # TFDS split syntax for every source: 'train[:90%]', 'a+b'.
   config.eval_split = 'test'  # Evaluated in full after every epoch (metrics 'eval/...').
   # Scored once at the end, with the best checkpoint (best_metric on eval_split); None = off.
@@ -34,6 +39,8 @@ def get_config() -> ml_collections.ConfigDict:
   # method='stretch'|'crop'|'pad') for images of varying sizes, then random training ops
   # (flip_lr, random_crop(size, pad), translate(pixels), rotate(degrees)), then at most one
   # scaling (normalize(mean, std) or value_range(low, high); default: pixels in [0, 1]).
+  # More random ops: inception_crop(size), color_jitter(...), randaugment(n, m),
+  # random_erasing(p) (preprocessing/strong_augment.py).
   # Eval, predict and the exported model apply the resize and the scaling.
   # E.g. 'resize(32)|random_crop(32, pad=4)|flip_lr'.
   config.preprocess = ''
