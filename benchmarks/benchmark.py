@@ -145,7 +145,8 @@ def measure_project(config) -> dict[str, float]:
   state = state_lib.create(config, data.info, data.info.num_train_examples // config.batch_size)
   train_step = state_lib.make_train_step(losses.LOSSES.create(config, data.info.num_classes))
   batches = (parallel.shard(batch, mesh)
-             for batch in input_pipeline.train_batches(train_split, data, config, config.batch_size))
+             for batch in input_pipeline.train_batches(train_split, data, config,
+                                                       config.batch_size))
   first = next(batches)
   compile_s, flops = flops_per_example(train_step, state, first, examples=config.batch_size)
 

@@ -1,7 +1,8 @@
 """Peak RSS and speed of one epoch of training batches without a model: the input pipeline's.
 
     python -m benchmarks.input_memory --config=configs/default.py --config.in_memory=never \
-      --config.train_split='train[:10%]' --config.preprocess='resize(64)' --config.shuffle_buffer_size=5000
+      --config.train_split='train[:10%]' --config.preprocess='resize(64)' \
+      --config.shuffle_buffer_size=5000
 
 Opens `config.train_split` as training does (`input_pipeline.open_split`: in memory or streamed,
 as `config.in_memory` says), reads one epoch of training batches and prints the number of

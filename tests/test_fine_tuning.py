@@ -26,8 +26,8 @@ from test_train import random_batch
 
 
 def _weights(model):
-  return {name: np.array(variable[...])
-          for name, variable in checkpointing._flat_variables(model)}  # pylint: disable=protected-access
+  flat = checkpointing._flat_variables(model)  # pylint: disable=protected-access
+  return {name: np.array(variable[...]) for name, variable in flat}
 
 
 def test_init_from_loads_matching_weights_and_reinitialises_a_new_head(tmp_path):

@@ -70,7 +70,8 @@ def test_early_stopping_counts_epochs_without_improvement_across_a_resume():
 
 
 def test_early_stopping_min_delta_and_lower_is_better():
-  early, loop = hooks.EarlyStopping('eval/loss', maximize=False, patience=2, min_delta=0.01), _loop()
+  early = hooks.EarlyStopping('eval/loss', maximize=False, patience=2, min_delta=0.01)
+  loop = _loop()
   for epoch, value in enumerate([0.50, 0.495, 0.492], start=1):  # Better, but by < 0.01.
     loop.step, loop.metrics = epoch * 10, {'eval/loss': value}
     early.after_step(loop)
