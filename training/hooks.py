@@ -222,15 +222,23 @@ class Evaluate(Hook):
   """Evaluates the eval split at every epoch end: its scalars into `loop.metrics` and the
   writer, its pictures to TensorBoard, and the epoch's line in the log."""
 
+  # An eval that took longer than this is announced before it runs: nothing stays silent long.
+  ANNOUNCE_SECONDS = 5.0
+
   def __init__(self, split: evaluation.Evaluation, batches,
                writer: metric_writers.MetricWriter):
     self._evaluation, self._batches, self._writer = split, batches, writer
     self._epoch_start = time.time()
+    self._last_seconds = None  # How long the last eval took.
 
   def after_step(self, loop):
     if not loop.end_of_epoch:
       return
+    if self._last_seconds is None or self._last_seconds > self.ANNOUNCE_SECONDS:
+      logging.info('Evaluating epoch %d on the eval split.', loop.epoch)
+    start = time.time()
     result = self._evaluation.run(loop.state.eval_model(), self._batches)
+    self._last_seconds = time.time() - start
     loop.metrics.update(result.scalars)
     self._writer.write_scalars(loop.step, result.scalars)
     if result.images:
