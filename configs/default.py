@@ -77,7 +77,7 @@ def get_config() -> ml_collections.ConfigDict:
   # weight per class, multiplying each example's loss.
   config.loss_options = ml_collections.ConfigDict({
       'cross_entropy': {'label_smoothing': 0.0,
-                        'class_weights': None}})
+                        'class_weights': ml_collections.config_dict.placeholder(object)}})
   # Mixup and CutMix of training batches (soft targets; one of the two per batch when both are
   # on): the alpha of the Beta distribution of the mixing weight; 0 = off.
   config.mixup_alpha = 0.0

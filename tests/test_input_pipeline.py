@@ -33,6 +33,13 @@ def _config(**overrides):
   return config
 
 
+def _with(config, **changes):
+  """A copy of `config` with `changes`."""
+  copy = config.copy_and_resolve_references()
+  copy.update(changes)
+  return copy
+
+
 def _batches(split, config, start_epoch=0, start_step=0):
   data = input_pipeline.Data(None, preprocessing.parse(config.preprocess), None)
   return list(input_pipeline.train_batches(split, data, config, config.batch_size, start_epoch,
@@ -185,7 +192,7 @@ def test_augmented_batches_are_seeded_and_resume_exactly():
   full = _batches(split, config)
   again = _batches(split, config)
   plain = _batches(split, _config(num_epochs=2))
-  other = _batches(split, _config(**{**config, 'seed': 1}))
+  other = _batches(split, _with(config, seed=1))
   for got, want in zip(again, full):
     np.testing.assert_array_equal(got['image'], want['image'])
   # Same example order as without augmentation; other pixels; another seed draws otherwise.
@@ -208,7 +215,7 @@ def test_tfds_streaming_gives_the_in_memory_examples_and_resumes_exactly(tfds_da
                    shuffle_buffer_size=128)
   data = input_pipeline.open_data(config)
   streamed = input_pipeline.open_split(data, config.train_split,
-                                       _config(**{**config, 'in_memory': 'never'}))
+                                       _with(config, in_memory='never'))
   in_memory = input_pipeline.open_split(data, config.train_split, config)
   assert isinstance(streamed, input_pipeline.Streamed) and streamed.num_examples == 512
   full = _batches(streamed, config)  # 8 batches per epoch.
@@ -229,7 +236,7 @@ def test_a_streamed_run_trains_evaluates_and_draws_eval_images(tfds_data_dir, tm
                    evaluators='loss|accuracy|misclassified(4)', log_every_steps=4)
   metrics = train.train_and_evaluate(config, str(tmp_path))
   # The streamed eval scores what the in-memory eval scores.
-  in_memory = evaluate.evaluate_checkpoint(_config(**{**config, 'in_memory': 'always'}),
+  in_memory = evaluate.evaluate_checkpoint(_with(config, in_memory='always'),
                                            str(tmp_path))
   assert in_memory['eval/accuracy'] == pytest.approx(metrics['eval/accuracy'], abs=1e-6)
   assert in_memory['eval/loss'] == pytest.approx(metrics['eval/loss'], rel=1e-5)

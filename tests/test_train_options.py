@@ -229,7 +229,9 @@ def test_profile_steps_writes_a_trace_for_tensorboard(tfds_data_dir, tmp_path):
   traces = glob.glob(os.path.join(workdir, 'plugins', 'profile', '*', '*.xplane.pb'))
   assert len(traces) == 1 and os.path.getsize(traces[0]) > 0, traces
   with pytest.raises(errors.ConfigError) as error:  # More than the run has left.
-    train.train_and_evaluate(_config(**{**config, 'num_epochs': 3, 'profile_steps': 20}),
+    longer = config.copy_and_resolve_references()
+    longer.update(num_epochs=3, profile_steps=20)
+    train.train_and_evaluate(longer,
                              str(tmp_path / 'long'))
   assert error.value.key == 'profile_steps'
 
