@@ -37,9 +37,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   checkpoints = checkpointing.Checkpoints(
       workdir, config.best_metric, config_checks.check_best_metric(config),
       config.max_checkpoints_to_keep)
+  workdirs.check_resume_config(config, workdir, has_checkpoint=bool(checkpoints.all_steps()))
   if (done := _finished(config, workdir, checkpoints)) is not None:
     return done
-  workdirs.check_resume_config(config, workdir, has_checkpoint=bool(checkpoints.all_steps()))
   mesh = parallel.create_mesh()
   jax.set_mesh(mesh)  # The state is created replicated over all devices.
   data = input_pipeline.open_data(config)

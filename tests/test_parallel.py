@@ -91,7 +91,10 @@ def test_four_devices_match_one_device_on_the_same_global_batch(tfds_data_dir):
   assert out['max_param_difference'] < 1e-5
   assert one['support'] == four['support'] == 10_000  # Every example once, padding masked.
   for key in ('train/loss', 'train/accuracy', 'eval/loss', 'eval/accuracy', 'eval/macro_f1'):
-    assert four[key] == pytest.approx(one[key], rel=1e-5), key
+    # Sums over 4 devices add in another order; after 3 steps many test images sit near a
+    # decision boundary, where that may flip the argmax of an example or two.
+    tolerance = 3e-4 if key in ('eval/accuracy', 'eval/macro_f1') else 0
+    assert four[key] == pytest.approx(one[key], rel=1e-5, abs=tolerance), key
 
 
 def test_batch_size_must_divide_by_the_device_count():

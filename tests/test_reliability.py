@@ -93,8 +93,8 @@ def test_a_damaged_latest_checkpoint_is_moved_aside_and_the_previous_one_resumes
   workdir = _copy(trained, tmp_path)
   checkpoints = os.path.join(workdir, 'checkpoints')
   _damage(os.path.join(checkpoints, '8'), how)
-  with caplog.at_level(logging.WARNING):
-    train.train_and_evaluate(_config(tfds_data_dir), workdir)
+  with caplog.at_level(logging.WARNING):  # A second epoch: the run resumes (not finished).
+    train.train_and_evaluate(_config(tfds_data_dir, num_epochs=2), workdir)
   warnings = [record.getMessage() for record in caplog.records
               if 'does not restore' in record.getMessage()]
   assert len(warnings) == 1 and warnings[0].startswith('The checkpoint at step 8 does not '
@@ -116,7 +116,7 @@ def test_when_no_checkpoint_restores_the_run_stops_with_one_line(trained, tfds_d
   for step in ('4', '8'):
     _damage(os.path.join(checkpoints, step), 'deleted manifest')
   with pytest.raises(errors.CheckpointError) as error:
-    train.train_and_evaluate(_config(tfds_data_dir), workdir)
+    train.train_and_evaluate(_config(tfds_data_dir, num_epochs=2), workdir)
   assert error.value.directory == checkpoints
   assert '(steps 8, 4)' in str(error.value) and f'{checkpoints}/corrupt' in str(error.value)
   assert sorted(os.listdir(os.path.join(checkpoints, 'corrupt'))) == ['4', '8']

@@ -24,7 +24,8 @@ class JsonlWriter(metric_writers.MetricWriter):
   """Appends every scalar write to a JSON-lines file: {"step": 468, "eval/accuracy": 0.98}."""
 
   def __init__(self, path: str):
-    self._file = open(path, 'a', encoding='utf-8')  # pylint: disable=consider-using-with
+    # Line-buffered: each write is in the file at once, for the sweep's pruner and for users.
+    self._file = open(path, 'a', encoding='utf-8', buffering=1)  # pylint: disable=consider-using-with
 
   def write_scalars(self, step, scalars):
     line = {'step': int(step), **{name: value if isinstance(value, int) else float(value)
