@@ -152,8 +152,9 @@ def test_two_processes_of_two_devices_match_one_process_of_four(tfds_data_dir, t
   multi, single = scalars(str(tmp_path / 'two_by_two')), scalars(str(tmp_path / 'one_by_four'))
   for tag in ('train/loss', 'train/accuracy', 'eval/loss', 'eval/accuracy'):
     assert [step for step, _ in multi[tag]] == [1, 2], tag
-    # Cross-process sums add in another order; after 2 steps many test images sit near a
-    # decision boundary, where that may flip the argmax of an example or two.
+    # Sums over devices and processes (gradients, BatchNorm statistics) add in another order:
+    # relative 4e-5 on the eval loss after 2 steps here. After 2 steps many test images sit
+    # near a decision boundary, where that may flip the argmax of an example or two.
     np.testing.assert_allclose([value for _, value in multi[tag]],
-                               [value for _, value in single[tag]], rtol=1e-5,
+                               [value for _, value in single[tag]], rtol=1e-4,
                                atol=3e-4 if tag == 'eval/accuracy' else 0, err_msg=tag)
