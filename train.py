@@ -190,7 +190,7 @@ def _resume(loop: hooks.Loop, checkpoints: checkpointing.Checkpoints,
   checkpoints.warn_if_disk_low(loop.state)
   restored = checkpoints.restore_newest(loop.state, move_aside=True)
   if restored is None and loop.config.init_from:
-    _init_from(loop.config.init_from, loop.state)
+    _init_from(loop.config, loop.config.init_from, loop.state)
   if restored is None:
     logging.info('No checkpoint in %s: training from scratch.', checkpoints.directory)
     summaries.write_config(writer, os.path.dirname(checkpoints.directory), loop.config,
@@ -208,7 +208,7 @@ def _resume(loop: hooks.Loop, checkpoints: checkpointing.Checkpoints,
       hook.load_state_dict(progress['hooks'][hook.name])
 
 
-def _init_from(path: str, state: state_lib.TrainState) -> None:
+def _init_from(config, path: str, state: state_lib.TrainState) -> None:
   """Starts the model from the weights of `path` (config.init_from): a workdir's best
   checkpoint (else its newest), or a checkpoint directory; see `checkpointing.init_weights`."""
   saved_path = checkpointing.checkpoint_path(path)
@@ -217,7 +217,7 @@ def _init_from(path: str, state: state_lib.TrainState) -> None:
                                      config_checks.check_best_metric(source)).best_step()
     if best is not None:
       saved_path = os.path.join(path, checkpointing.CHECKPOINT_DIR, str(best), 'state')
-  loaded, _ = checkpointing.init_weights(state.model, saved_path)
+  loaded, _ = checkpointing.init_weights(state.model, saved_path, tuple(config.init_exclude))
   if not loaded:
     raise errors.ConfigError(
         f'config.init_from={path!r}: no parameter of its checkpoint {saved_path} has the path '

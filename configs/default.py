@@ -103,6 +103,9 @@ def get_config() -> ml_collections.ConfigDict:
   # this app whose weights start the model; parameters of another path or shape (a new head)
   # start fresh. The optimizer, step and EMA start fresh; a rerun resumes from its own workdir.
   config.init_from = ml_collections.config_dict.placeholder(str)
+  # Path patterns (regular expressions) of parameters that start fresh even where init_from has
+  # them, e.g. ('linear2',) for a new head when the classes differ but not their number.
+  config.init_exclude = ()
   # Parameters whose path ('conv1.kernel', 'batch_norm1.scale', ...) matches one of these
   # regular expressions are not trained; a matching BatchNorm keeps its statistics as loaded.
   config.freeze = ()

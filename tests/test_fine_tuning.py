@@ -48,6 +48,9 @@ def test_init_from_loads_matching_weights_and_reinitialises_a_new_head(tmp_path)
   assert sorted(fresh) == ['linear2.bias ((3,), (2,) there)',
                            'linear2.kernel ((16, 3), (16, 2) there)']
   assert 'conv1.kernel' in loaded and 'batch_norm1.mean' in loaded and len(loaded) == 14
+  _, fresh = checkpointing.init_weights(  # A head excluded by name.
+      state.model, checkpointing.checkpoint_path(str(tmp_path / 'source')), ('linear',))
+  assert len(fresh) == 4 and all('init_exclude' in name for name in fresh)
   weights = _weights(state.model)
   np.testing.assert_array_equal(weights['conv1.kernel'], saved['ema.params.conv1.kernel'])
   # Nothing matching: one line naming init_from.

@@ -135,16 +135,20 @@ def _flat(tree, is_leaf=None) -> dict[str, object]:
           for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf)}
 
 
-def init_weights(model: nnx.Module, saved_path: str) -> tuple[list[str], list[str]]:
+def init_weights(model: nnx.Module, saved_path: str,
+                 exclude: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
   """Loads into `model` the weights (parameters and BatchNorm statistics) of the `state` item
-  at `saved_path` whose path and shape match: the averaged weights when that run kept an EMA.
-  Returns the names loaded and the others (left as initialised, with the reason)."""
+  at `saved_path` whose path and shape match, but those matching a pattern of `exclude`: the
+  averaged weights when that run kept an EMA. Returns the names loaded and the others (left as
+  initialised, with the reason)."""
   saved = read_state(saved_path)
   prefix = 'ema.params.' if any(name.startswith('ema.params.') for name in saved) else 'model.'
   loaded, fresh = [], []
   for name, variable in _flat_variables(model):
     source = saved.get(prefix + name)
-    if source is None:
+    if any(re.search(pattern, name) for pattern in exclude):
+      fresh.append(f'{name} (init_exclude)')
+    elif source is None:
       fresh.append(f'{name} (not in the checkpoint)')
     elif source.shape != variable.shape:
       fresh.append(f'{name} ({tuple(variable.shape)}, {tuple(source.shape)} there)')

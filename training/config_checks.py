@@ -76,8 +76,9 @@ def check_config(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_parameter_patterns(config: ml_collections.ConfigDict) -> None:
-  """Checks config.freeze (regular expressions) and config.lr_multipliers (pattern: factor)."""
-  patterns = [('freeze', pattern) for pattern in config.freeze] + [
+  """Checks config.freeze and config.init_exclude (regular expressions) and
+  config.lr_multipliers (pattern: factor)."""
+  patterns = [(key, pattern) for key in ('freeze', 'init_exclude') for pattern in config[key]] + [
       ('lr_multipliers', pattern) for pattern in config.lr_multipliers]
   for key, pattern in patterns:
     try:
