@@ -12,12 +12,14 @@ from PIL import Image
 from PIL import ImageDraw
 from PIL import ImageFont
 
-_FONT_SIZE = 12
+_FONT_SIZE = 14
 _FONT = ImageFont.load_default(size=_FONT_SIZE)
 _NAME_CHARS = 14  # Class names are shortened to this many characters.
-_MATRIX_PIXELS = 480  # The matrix's cells take about this many pixels across.
-_MIN_TILE = 84  # Pixels per example in the grid, at least (MNIST digits are drawn 3x).
+_MATRIX_PIXELS = 400  # The matrix's cells take about this many pixels across.
+_MIN_TILE = 56  # Pixels per example in the grid, at least (MNIST digits are drawn 2x).
+_GRID_PIXELS = 400  # The grid is at most about this wide: captions stay legible in a card.
 _NUMBER_CELL = 28  # Cells at least this big show their count.
+_AXES = 'rows: true class, columns: predicted'
 
 
 def short_name(name: str, limit: int = _NAME_CHARS) -> str:
@@ -57,14 +59,16 @@ def confusion_matrix(counts: np.ndarray, class_names: tuple[str, ...] = ()) -> n
   names = [short_name(name) for name in (class_names or map(str, range(num_classes)))]
   cell = max(4, min(40, _MATRIX_PIXELS // num_classes))
   every = max(1, math.ceil((_FONT_SIZE + 2) / cell))  # Label every n-th row and column.
-  row_labels = [f'{k} {names[k]}' if k % every == 0 else '' for k in range(num_classes)]
+  # Rows: 'index name', or the name alone where it is the index ('7' for MNIST's 7).
+  row_labels = [(names[k] if names[k] == str(k) else f'{k} {names[k]}') if k % every == 0
+                else '' for k in range(num_classes)]
   left = max(_text_width(label) for label in row_labels) + 10
   top = 2 * _FONT_SIZE + 14
-  size = (left + num_classes * cell + 4, top + num_classes * cell + _FONT_SIZE + 10)
+  size = (max(left + num_classes * cell + 4, _text_width(_AXES) + 8),
+          top + num_classes * cell + _FONT_SIZE + 10)
   image = Image.new('RGB', size, 'white')
   draw = ImageDraw.Draw(image)
-  draw.text((left, 2), 'predicted (columns)', fill='black', font=_FONT)
-  draw.text((4, 2), 'true (rows)', fill='black', font=_FONT)
+  draw.text((4, 2), _AXES, fill='black', font=_FONT)
   shares = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
   # Columns are labelled by index, as far apart as the widest index needs.
   column_every = every * math.ceil((_text_width(str(num_classes - 1)) + 6) / (cell * every))
@@ -110,7 +114,7 @@ def misclassified_grid(images: np.ndarray, labels: np.ndarray, predictions: np.n
   tile_width, tile_height = width * scale, height * scale
   cell_width = max(tile_width, max(map(_text_width, captions))) + 8
   cell_height = tile_height + _FONT_SIZE + 8
-  columns = math.ceil(math.sqrt(num))
+  columns = max(1, min(math.ceil(math.sqrt(num)), _GRID_PIXELS // cell_width))
   grid = Image.new('RGB', (columns * cell_width, math.ceil(num / columns) * cell_height), 'white')
   draw = ImageDraw.Draw(grid)
   for i, (pixels, caption) in enumerate(zip(displayable(images), captions)):
