@@ -9,6 +9,7 @@ from absl import logging
 from clu import parameter_overview
 from flax import nnx
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -224,7 +225,9 @@ def _init_from(config, path: str, state: state_lib.TrainState) -> None:
         f'and shape of one of model {state.model.__class__.__name__!r}: is it the same kind of '
         'model?', key='init_from', value=path)
   if state.ema is not None:  # The average starts at the loaded weights.
-    jax.tree.map(lambda average, variable: average.set_value(variable[...]), state.ema.params,
+    # Copies: the train step donates both, so they must not share buffers.
+    jax.tree.map(lambda average, variable: average.set_value(jnp.copy(variable[...])),
+                 state.ema.params,
                  nnx.state(state.model, state.ema.filter),
                  is_leaf=lambda x: isinstance(x, nnx.Variable))
 

@@ -1,6 +1,7 @@
 """Validation and test splits, the best checkpoint, early stopping and the EMA of the weights."""
 
 import os
+import signal
 
 from flax import nnx
 import jax
@@ -9,6 +10,7 @@ import pytest
 
 from configs import default
 from core import errors
+from core import runtime
 from modes import evaluate
 import train
 from training import checkpointing
@@ -139,5 +141,37 @@ def test_a_resumed_run_with_ema_ends_bit_exactly_like_an_uninterrupted_one(tfds_
   (step, state), (resumed_step, resumed) = saved(whole), saved(halves)
   assert step == resumed_step == 32
   assert any('ema' in name for name in state)
+  for name, value in state.items():
+    np.testing.assert_array_equal(resumed[name], value, err_msg=name)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_with_every_training_option_ends_bit_exactly(tfds_data_dir, tmp_path,
+                                                                    monkeypatch):
+  """Mixup and CutMix, RandAugment and random erasing, class weights, label smoothing, frozen
+  layers, a multiplier, clipping, a step schedule, the EMA and fine-tuning from a checkpoint:
+  stopped mid-epoch (as by a SIGTERM) and resumed, the run ends in the uninterrupted state."""
+  source = str(tmp_path / 'source')
+  train.train_and_evaluate(_tiny_mnist(tfds_data_dir, num_epochs=1), source)
+  config = _tiny_mnist(
+      tfds_data_dir, preprocess='translate(2)|randaugment(2, 9)|random_erasing(0.5)',
+      mixup_alpha=0.2, cutmix_alpha=1.0, freeze=('conv1',), lr_multipliers={'linear2': 2.0},
+      grad_clip_norm=1.0, schedule='step', ema_decay=0.9, init_from=source,
+      init_exclude=('linear2',),
+      loss_options={'cross_entropy': {'label_smoothing': 0.1, 'class_weights': 'balanced'}})
+  whole, halves = str(tmp_path / 'whole'), str(tmp_path / 'halves')
+  train.train_and_evaluate(config, whole)
+
+  def stop_at_step_21(signals, step):
+    signals.received = signal.SIGTERM
+    return step == 21
+  with monkeypatch.context() as patch:
+    patch.setattr(runtime.StopSignals, 'reached', stop_at_step_21)
+    with pytest.raises(runtime.Interrupted):
+      train.train_and_evaluate(config, halves)
+  assert saved(halves)[0] == 21
+  train.train_and_evaluate(config, halves)
+  (step, state), (resumed_step, resumed) = saved(whole), saved(halves)
+  assert step == resumed_step == 32
   for name, value in state.items():
     np.testing.assert_array_equal(resumed[name], value, err_msg=name)
