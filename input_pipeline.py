@@ -177,14 +177,16 @@ def log_class_counts(labels: np.ndarray, class_names: tuple[str, ...], split: st
 
 
 def train_batches(split: base.Split | Streamed, data: Data, config: ml_collections.ConfigDict,
-                  batch_size: int, start_epoch: int = 0, start_step: int = 0) -> Iterator[Batch]:
+                  batch_size: int, start_epoch: int = 0, start_step: int = 0,
+                  augment: bool = True) -> Iterator[Batch]:
   """Yields training batches from batch `start_step` of `start_epoch` to the end of the run.
 
   Each batch is {'image': (batch_size, H, W, C) float32, 'label': (batch_size,) int32},
   preprocessed for training, and with Mixup or CutMix 'target': (batch_size, classes) float32
   soft targets; an incomplete final batch of an epoch is dropped (static shapes).
   Every epoch is shuffled and augmented from its own seed (`epoch_seed`), so resuming at any
-  step gives the same batches as the uninterrupted run.
+  step gives the same batches as the uninterrupted run. Without `augment`, the same examples
+  in the same order come as eval sees images: no random ops, no mixing.
   """
   epochs = range(start_epoch, config.num_epochs)
   if config.input_backend == 'torch':
@@ -206,6 +208,8 @@ def train_batches(split: base.Split | Streamed, data: Data, config: ml_collectio
     seed = epoch_seed(config.seed, epoch)
 
     def prepare(index: tf.Tensor, batch: dict[str, tf.Tensor], seed=seed) -> Batch:
+      if not augment:
+        return {'image': data.preprocess.eval_batch(batch['image']), 'label': batch['label']}
       seeds = tf.stack([tf.constant(seed, tf.int64), index])
       prepared = {'image': data.preprocess.train_batch(batch['image'], seeds),
                   'label': batch['label']}

@@ -69,10 +69,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     batch_size = parallel.local_batch_size(config.batch_size)
 
     def epoch_tail(epoch: int):
-      """The last config.precise_bn_batches training batches of `epoch`, again."""
+      """The images of the last config.precise_bn_batches training batches of `epoch`, as eval
+      prepares images (no random ops, no mixing): the statistics are for the eval images."""
       start = max(steps_per_epoch - config.precise_bn_batches, 0)
       return map(place, itertools.islice(input_pipeline.train_batches(
-          train_split, data, config, batch_size, epoch, start), steps_per_epoch - start))
+          train_split, data, config, batch_size, epoch, start, augment=False),
+          steps_per_epoch - start))
 
     run_hooks = _hooks(config, workdir, loop, checkpoints, writer, eval_split, eval_batches,
                        epoch_tail, signals)

@@ -40,10 +40,10 @@ def _with(config, **changes):
   return copy
 
 
-def _batches(split, config, start_epoch=0, start_step=0):
+def _batches(split, config, start_epoch=0, start_step=0, augment=True):
   data = input_pipeline.Data(None, preprocessing.parse(config.preprocess), None)
   return list(input_pipeline.train_batches(split, data, config, config.batch_size, start_epoch,
-                                           start_step))
+                                           start_step, augment))
 
 
 def _epoch_orders(split, config):
@@ -206,6 +206,10 @@ def test_augmented_batches_are_seeded_and_resume_exactly():
   resumed = _batches(split, config, start_epoch=1, start_step=6)
   assert len(resumed) == len(full) - 18
   for got, want in zip(resumed, full[18:]):
+    np.testing.assert_array_equal(got['image'], want['image'])
+    np.testing.assert_array_equal(got['label'], want['label'])
+  # Without augmentation (precise BatchNorm's batches): the same examples, as eval sees them.
+  for got, want in zip(_batches(split, config, augment=False), plain):
     np.testing.assert_array_equal(got['image'], want['image'])
     np.testing.assert_array_equal(got['label'], want['label'])
 

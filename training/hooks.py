@@ -204,10 +204,11 @@ class TrainMetrics(Hook):
 
 class PreciseBatchNorm(Hook):
   """At every epoch end, before the evaluation, recomputes the BatchNorm statistics of the
-  model to evaluate (the EMA's, with config.ema_decay) over the epoch's last training batches
-  (`state_lib.recompute_batch_statistics`). `epoch_tail(epoch)` gives those batches again,
-  from the input pipeline: a function of (seed, epoch), so a resumed run recomputes the same
-  statistics."""
+  model to evaluate (the EMA's, with config.ema_decay) over the images of the epoch's last
+  training batches (`state_lib.recompute_batch_statistics`). `epoch_tail(epoch)` gives those
+  images again from the input pipeline, prepared as eval prepares its own (no random ops, no
+  mixing: the statistics are for the images the model is evaluated on); a function of (seed,
+  epoch), so a resumed run recomputes the same statistics."""
 
   def __init__(self, epoch_tail):
     self._epoch_tail = epoch_tail
