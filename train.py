@@ -48,7 +48,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   logging.info('Dataset: %s', data.info)
   workdirs.save_info(workdir, data.info)
   steps_per_epoch = data.info.num_train_examples // config.batch_size
-  eval_split = evaluation.Evaluation('eval', evaluators.create(config.evaluators), data.info,
+  eval_split = evaluation.Evaluation('eval', evaluators.of_split(config, 'eval'), data.info,
                                      data.info.num_eval_examples)
 
   # Decoding the data (TensorFlow) and compiling (XLA) each leave part of the 2 cores idle:
@@ -236,8 +236,8 @@ def _init_from(config, path: str, state: state_lib.TrainState) -> None:
 
 def _hparams_metrics(config) -> list[str]:
   """The metric columns of TensorBoard's HParams dashboard: every eval and test scalar."""
-  names = evaluators.directions(evaluators.create(config.evaluators))
-  return [f'{split}/{name}' for split in ('eval', 'test') for name in names]
+  return [f'{split}/{name}' for split in ('eval', 'test')
+          for name in evaluators.directions(evaluators.of_split(config, split))]
 
 
 def _test_best(config, data: input_pipeline.Data, checkpoints: checkpointing.Checkpoints,
@@ -249,7 +249,7 @@ def _test_best(config, data: input_pipeline.Data, checkpoints: checkpointing.Che
   """
   step = checkpoints.restore(loop.state, 'best')
   logging.info('Testing the best checkpoint (step %d) on %r.', step, config.test_split)
-  test_split = evaluation.Evaluation('test', evaluators.create(config.evaluators), data.info,
+  test_split = evaluation.Evaluation('test', evaluators.of_split(config, 'test'), data.info,
                                      data.info.num_test_examples)
   result = test_split.run(loop.state.eval_model(), parallel.eval_batches(
       data, config.test_split, data.info.num_test_examples, config, mesh))

@@ -125,10 +125,12 @@ def get_config() -> ml_collections.ConfigDict:
   # 'skip': skip updates whose gradients are not finite (optax.apply_if_finite).
   config.nonfinite = 'halt'
   # Evaluation.
-  # What every eval split measures, joined by '|' (training/evaluators.py): loss, accuracy,
-  # top_k(k), per_class (macro precision/recall/F1), balanced_accuracy, confusion_matrix and
-  # misclassified(count) (pictures in TensorBoard).
+  # What the eval split measures after every epoch, joined by '|' (training/evaluators.py):
+  # loss, accuracy, top_k(k), per_class (macro precision/recall/F1), balanced_accuracy,
+  # confusion_matrix and misclassified(count) (pictures in TensorBoard).
   config.evaluators = 'loss|accuracy|confusion_matrix|misclassified(36)'
+  # What the test split (scored once, at the end) measures; None = the same as evaluators.
+  config.test_evaluators = ml_collections.config_dict.placeholder(str)
   config.eval_batch_size = 1000  # Examples per eval step; the last batch is padded and masked.
   # Before every eval, BatchNorm's statistics are recomputed with the current weights over the
   # epoch's last this many training batches ("precise BN"); 0 = the running averages as

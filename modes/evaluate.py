@@ -44,7 +44,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
   data = input_pipeline.open_data(config)
   print(f'Evaluating the checkpoint at step {step} on {data.info.name} {config.eval_split!r} '
         f'({data.info.num_eval_examples} examples).', flush=True)
-  result = evaluation.Evaluation('eval', evaluators.create(config.evaluators), info,
+  result = evaluation.Evaluation('eval', evaluators.of_split(config, 'eval'), info,
                                  data.info.num_eval_examples).run(
       model, parallel.eval_batches(data, config.eval_split, data.info.num_eval_examples,
                                    config, mesh))

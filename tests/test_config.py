@@ -39,6 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ('early_stopping_min_delta', -0.1, 'early_stopping_min_delta'),
     ('evaluators', 'accuracy|recall_at(3)', 'evaluators'),
     ('evaluators', 'accuracy|accuracy', 'evaluators'),
+    ('test_evaluators', 'accuracy|top_k(0)', 'test_evaluators'),
     ('best_metric', 'eval_accuracy', 'best_metric'),  # The name before the split prefixes.
     ('best_metric', 'test/accuracy', 'best_metric'),  # The test split never picks.
     ('best_metric', 'eval/macro_f1', 'best_metric'),  # Not computed by the evaluators.

@@ -81,6 +81,7 @@ def test_slurm_script_saves_on_usr1_requeues_and_the_requeued_job_resumes_bit_ex
     time.sleep(0.2)
   os.kill(int((logs / 'task1.pid').read_text()), 10)  # SIGUSR1 to one task, as SLURM warns.
   out, _ = job.communicate(timeout=600)
+  (logs / 'job.log').write_text(out)  # The job's own lines (slurm-%x-%j.out), kept for reading.
   assert job.returncode == 0, out + (logs / 'task0.log').read_text()[-3000:]
   assert f'requeueing job {job_id + 1}' in out
   assert (logs / 'scontrol.log').read_text() == f'requeue {job_id + 1}\n'
@@ -96,6 +97,7 @@ def test_slurm_script_saves_on_usr1_requeues_and_the_requeued_job_resumes_bit_ex
   # ...and the requeued job (the same command again) resumes from it to the uninterrupted end.
   again = subprocess.run(['bash', SCRIPT, *_flags(requeued, tfds_data_dir)], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
+  (logs / 'job.log').write_text(out + again.stdout + again.stderr)
   assert again.returncode == 0, (logs / 'task0.log').read_text()[-3000:]
   assert f'Restored checkpoint at step {step} ' in (logs / 'task0.log').read_text()
   (final_step, state), (resumed_step, resumed) = saved(str(whole)), saved(str(requeued))

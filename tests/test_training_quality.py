@@ -92,7 +92,8 @@ def _tiny_mnist(data_dir, **overrides):
 @pytest.mark.slow
 def test_the_test_split_is_scored_once_with_the_best_checkpoint(tfds_data_dir, tmp_path):
   config = _tiny_mnist(tfds_data_dir, test_split='test[:300]', num_epochs=3,
-                       evaluators='loss|accuracy|per_class', best_metric='eval/macro_f1')
+                       evaluators='loss|accuracy|per_class', best_metric='eval/macro_f1',
+                       test_evaluators='loss|accuracy|per_class|top_k(3)')
   workdir = str(tmp_path)
   metrics = train.train_and_evaluate(config, workdir)
   written = summaries.read_metrics(workdir)
@@ -101,6 +102,9 @@ def test_the_test_split_is_scored_once_with_the_best_checkpoint(tfds_data_dir, t
   best_step = max(by_step, key=lambda step: (by_step[step], -step))  # By macro-F1.
   # Written once, at the last step, and equal to an eval of the best checkpoint on that split.
   assert [step for step, values in written.items() if 'test/accuracy' in values] == [48]
+  # Each split with its own evaluators.
+  assert 'test/top3_accuracy' in metrics and not any(
+      'eval/top3_accuracy' in values for values in written.values())
   config.eval_split = config.test_split
   again = evaluate.evaluate_checkpoint(config, workdir, checkpoint='best')
   assert again['eval/accuracy'] == pytest.approx(metrics['test/accuracy'], abs=1e-6)

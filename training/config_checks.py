@@ -72,6 +72,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   kernels.select_layers(config.cpu_kernels, backend='cpu', compute_dtype=config.compute_dtype)
   preprocessing.parse(config.preprocess)
   input_pipeline.check_input(config)
+  evaluators.of_split(config, 'test')
   check_best_metric(config)
 
 
@@ -93,7 +94,7 @@ def _check_parameter_patterns(config: ml_collections.ConfigDict) -> None:
 
 def check_best_metric(config: ml_collections.ConfigDict) -> bool:
   """Checks `config.best_metric` against the evaluators; returns whether higher is better."""
-  directions = evaluators.directions(evaluators.create(config.evaluators))
+  directions = evaluators.directions(evaluators.of_split(config, EVAL_SPLIT))
   split, _, name = config.best_metric.partition('/')
   valid = [f'{EVAL_SPLIT}/{metric}' for metric in directions]
   _require(split == EVAL_SPLIT and name in directions, 'best_metric', config.best_metric,

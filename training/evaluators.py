@@ -226,15 +226,21 @@ class Misclassified(Evaluator):
         np.asarray(state['predictions'][:shown]), info.class_names)}
 
 
-def create(spec: str) -> list[Evaluator]:
-  """The evaluators of `spec` (config.evaluators); a `ConfigError` for a bad one or a repeat."""
-  evaluators = [evaluator for _, _, evaluator in EVALUATORS.create_calls(spec, 'evaluators')]
+def create(spec: str, key: str = 'evaluators') -> list[Evaluator]:
+  """The evaluators of `spec` (config.<key>); a `ConfigError` for a bad one or a repeat."""
+  evaluators = [evaluator for _, _, evaluator in EVALUATORS.create_calls(spec, key)]
   names = [evaluator.name for evaluator in evaluators]
   if len(set(names)) < len(names):
     raise errors.ConfigError(
-        f'config.evaluators={spec!r} is invalid: it names one evaluator twice.',
-        key='evaluators', value=spec)
+        f'config.{key}={spec!r} is invalid: it names one evaluator twice.', key=key, value=spec)
   return evaluators
+
+
+def of_split(config, split: str) -> list[Evaluator]:
+  """The evaluators of split 'eval' (config.evaluators) or 'test' (config.test_evaluators, or
+  the eval split's when that is None)."""
+  key = 'test_evaluators' if split == 'test' and config.get('test_evaluators') else 'evaluators'
+  return create(config[key], key)
 
 
 def directions(evaluators: list[Evaluator]) -> dict[str, bool]:

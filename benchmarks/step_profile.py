@@ -1,0 +1,171 @@
+"""Where one train step's time goes: a profile of the compiled step, by operation.
+
+    python -m benchmarks.step_profile --config=configs/default.py --steps=50
+
+Builds the state and train step of `config` as training does (same model, layers, optimizer
+and loss; MNIST-shaped random batches, which cost what real ones do), runs warm-up steps, then
+traces --steps steps with `jax.profiler` and reads the trace (an XPlane protobuf, parsed with
+TensorFlow's copy of its schema). XLA:CPU records one event per operation it runs (a fusion, a
+matmul, a copy...). Each row is one operation of the compiled step: milliseconds per step, its
+share of the step's wall time, its output shape, the pass (forward, or backward: JAX's
+`transpose(jvp(...))`), the Python function that traced it (from the HLO's stack frames) and,
+for matmuls, the GFLOP/s they reach against a 2048x2048 matmul's in the same process.
+"""
+
+import collections
+import glob
+import os
+import re
+import tempfile
+import time
+from typing import NamedTuple
+
+from core import runtime  # pylint: disable=g-bad-import-order  (first: it must precede tensorflow)
+
+runtime.start()
+
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags  # pylint: disable=g-import-not-at-top
+import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top
+
+from data_sources import base  # pylint: disable=g-import-not-at-top
+from training import losses  # pylint: disable=g-import-not-at-top
+from training import state as state_lib  # pylint: disable=g-import-not-at-top
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config whose step to profile.')
+flags.DEFINE_integer('steps', 50, 'Steps traced.', lower_bound=1)
+flags.DEFINE_integer('warmup', 20, 'Steps run before tracing.', lower_bound=1)
+flags.DEFINE_integer('rows', 15, 'Operations listed, the slowest first.', lower_bound=1)
+
+class Operation(NamedTuple):
+  """One HLO instruction of the step: what a row of the table says about it."""
+  shape: str
+  backward: bool
+  traced_by: str  # file:function of the innermost Python frame.
+  flops: float  # Of its dots, for matmuls (and fusions around one); else 0.
+
+
+def _table(hlo_text: str, name: str) -> dict[int, str]:
+  """One of the HLO text's numbered tables (FileNames, StackFrames, ...)."""
+  block = hlo_text.split(f'\n{name}\n', 1)[1].split('\n\n', 1)[0]
+  return {int(line.split(' ', 1)[0]): line.split(' ', 1)[1] for line in block.splitlines()}
+
+
+def operations(hlo_text: str) -> dict[str, Operation]:
+  """{HLO instruction name: Operation} of a compiled module's text."""
+  files, functions = _table(hlo_text, 'FileNames'), _table(hlo_text, 'FunctionNames')
+  locations, frames = _table(hlo_text, 'FileLocations'), _table(hlo_text, 'StackFrames')
+
+  def traced_by(frame: str) -> str:
+    location = dict(re.findall(r'(\w+)=(\d+)', locations[int(re.search(
+        r'file_location_id=(\d+)', frames[int(frame)]).group(1))]))
+    file = os.path.basename(files[int(location['file_name_id'])].strip('"'))
+    function = functions[int(location['function_name_id'])].strip('"')
+    return f'{file}:{function}'
+
+  shapes, computation_flops, found = {}, collections.Counter(), {}
+  computation = ''
+  for line in hlo_text.splitlines():
+    if header := re.match(r'%?([\w.\-]+) \(.*\{$', line):
+      computation = header.group(1)
+    match = re.match(r'\s*(?:ROOT )?%?([\w.\-]+) = (\w+\[[\d,]*\])\S* ([\w\-]+)\(', line)
+    if not match:
+      continue
+    name, shape, opcode = match.groups()
+    shapes[name] = [int(d) for d in re.findall(r'\d+', shape.split('[')[1])]
+    flops = 0.0
+    if opcode == 'dot':
+      lhs = re.search(r'dot\(%?([\w.\-]+)', line).group(1)
+      contracting = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', line).group(1)
+      k = np.prod([shapes[lhs][int(d)] for d in contracting.split(',') if d])
+      flops = 2.0 * np.prod(shapes[name]) * k
+      computation_flops[computation] += flops
+    if called := re.search(r'calls=%?([\w.\-]+)', line):
+      flops += computation_flops[called.group(1)]
+    op_name = re.search(r'op_name="([^"]*)"', line)
+    frame = re.search(r'stack_frame_id=(\d+)', line)
+    found[name] = Operation(shape, bool(op_name and 'transpose(' in op_name.group(1)),
+                            traced_by(frame.group(1)) if frame else '', flops)
+  return found
+
+
+def events(trace_dir: str) -> dict[str, float]:
+  """{event name: total picoseconds} over the CPU threads' events of the trace."""
+  path, = glob.glob(os.path.join(trace_dir, '**', '*.xplane.pb'), recursive=True)
+  space = xplane_pb2.XSpace()
+  with open(path, 'rb') as file:
+    space.ParseFromString(file.read())
+  totals = collections.Counter()
+  for plane in space.planes:
+    names = {key: metadata.name for key, metadata in plane.event_metadata.items()}
+    for line in plane.lines:
+      for event in line.events:
+        totals[names.get(event.metadata_id, '')] += event.duration_ps
+  return totals
+
+
+def matmul_gflops() -> float:
+  x = jnp.ones((2048, 2048), jnp.float32)
+  f = jax.jit(lambda a: a @ a)
+  f(x).block_until_ready()
+  best = min(_timed(lambda: f(x).block_until_ready()) for _ in range(10))
+  return 2 * 2048**3 / best / 1e9
+
+
+def _timed(fn) -> float:
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
+
+
+def main(argv):
+  del argv
+  config = FLAGS.config
+  info = base.DatasetInfo('mnist', (28, 28, 1), 10, 60_000, 10_000)
+  state = state_lib.create(config, info, 468)
+  train_step = state_lib.make_train_step(losses.LOSSES.create(config, info.num_classes))
+  rng = np.random.default_rng(0)
+  batches = [{'image': jnp.asarray(rng.random((config.batch_size, 28, 28, 1), np.float32)),
+              'label': jnp.asarray(rng.integers(0, 10, config.batch_size, np.int32))}
+             for _ in range(4)]
+  hlo = operations(train_step.lower(state, batches[0]).compile().as_text())
+  for i in range(FLAGS.warmup):
+    train_step(state, batches[i % 4])
+  jax.block_until_ready(jax.tree.leaves(state))
+  with tempfile.TemporaryDirectory() as trace_dir:
+    start = time.perf_counter()
+    with jax.profiler.trace(trace_dir):
+      for i in range(FLAGS.steps):
+        train_step(state, batches[i % 4])
+      jax.block_until_ready(jax.tree.leaves(state))
+    step_ms = (time.perf_counter() - start) / FLAGS.steps * 1000
+    totals = events(trace_dir)
+  peak = matmul_gflops()
+  rows = sorted(((picoseconds / 1e9 / FLAGS.steps, name, hlo[name])
+                 for name, picoseconds in totals.items() if name in hlo), reverse=True)
+  print(f'{config.model}, batch {config.batch_size}, cpu_kernels={config.cpu_kernels}, '
+        f'{config.compute_dtype}: {step_ms:.1f} ms per step (wall, traced), '
+        f'{sum(row[0] for row in rows):.1f} ms in {len(rows)} XLA operations; 2048x2048 matmul '
+        f'{peak:.0f} GFLOP/s')
+  print('| operation | ms per step | share | output | pass | traced by | GFLOP/s |')
+  print('| --- | ---: | ---: | --- | --- | --- | ---: |')
+  for ms, name, operation in rows[:FLAGS.rows]:
+    rate = f'{operation.flops / ms / 1e6:.0f}' if operation.flops else ''
+    print(f'| {name} | {ms:.2f} | {ms / step_ms:.1%} | {operation.shape} | '
+          f'{"backward" if operation.backward else "forward"} | {operation.traced_by} | {rate} |')
+  rest = sum(row[0] for row in rows[FLAGS.rows:])
+  print(f'| {len(rows) - FLAGS.rows} more | {rest:.2f} | {rest / step_ms:.1%} | | | | |')
+  matmul_ms = sum(ms for ms, _, operation in rows if operation.flops)
+  matmul_flops = sum(operation.flops for _, _, operation in rows if operation.flops)
+  print(f'Matmuls: {matmul_ms:.1f} ms per step ({matmul_ms / step_ms:.0%}), '
+        f'{matmul_flops / matmul_ms / 1e6:.0f} GFLOP/s; everything else '
+        f'{step_ms - matmul_ms:.1f} ms.')
+
+
+if __name__ == '__main__':
+  app.run(main)
