@@ -134,22 +134,30 @@ def main(argv):
               'label': jnp.asarray(rng.integers(0, 10, config.batch_size, np.int32))}
              for _ in range(4)]
   hlo = operations(train_step.lower(state, batches[0]).compile().as_text())
-  for i in range(FLAGS.warmup):
-    train_step(state, batches[i % 4])
-  jax.block_until_ready(jax.tree.leaves(state))
-  with tempfile.TemporaryDirectory() as trace_dir:
+
+  def run_steps(count: int) -> float:
+    """Milliseconds per step of `count` steps, dispatched ahead as training does."""
     start = time.perf_counter()
-    with jax.profiler.trace(trace_dir):
-      for i in range(FLAGS.steps):
-        train_step(state, batches[i % 4])
-      jax.block_until_ready(jax.tree.leaves(state))
-    step_ms = (time.perf_counter() - start) / FLAGS.steps * 1000
+    for i in range(count):
+      train_step(state, batches[i % 4])
+    jax.block_until_ready(jax.tree.leaves(state))
+    return (time.perf_counter() - start) / count * 1000
+
+  run_steps(FLAGS.warmup)
+  untraced = sorted(run_steps(FLAGS.steps) for _ in range(5))
+  # Host events only: Python's tracer would slow the dispatching thread.
+  options = jax.profiler.ProfileOptions()
+  options.python_tracer_level = 0
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir, profiler_options=options):
+      step_ms = run_steps(FLAGS.steps)
     totals = events(trace_dir)
   peak = matmul_gflops()
   rows = sorted(((picoseconds / 1e9 / FLAGS.steps, name, hlo[name])
                  for name, picoseconds in totals.items() if name in hlo), reverse=True)
   print(f'{config.model}, batch {config.batch_size}, cpu_kernels={config.cpu_kernels}, '
-        f'{config.compute_dtype}: {step_ms:.1f} ms per step (wall, traced), '
+        f'{config.compute_dtype}: {untraced[0]:.1f} ms per step untraced (min of 5 x '
+        f'{FLAGS.steps}; median {untraced[2]:.1f}), {step_ms:.1f} ms traced, '
         f'{sum(row[0] for row in rows):.1f} ms in {len(rows)} XLA operations; 2048x2048 matmul '
         f'{peak:.0f} GFLOP/s')
   print('| operation | ms per step | share | output | pass | traced by | GFLOP/s |')
