@@ -41,7 +41,7 @@ def test_short_real_mnist_run(tfds_data_dir, tmp_path):
   # 300 steps of batch 128 on the first 38,400 training images, then eval on all 10,000.
   flags = ['--config=configs/default.py', f'--workdir={workdir}',
            f'--config.data_dir={tfds_data_dir}', '--config.num_epochs=1',
-           '--config.train_split=train[:38400]']
+           '--config.train_split=train[:38400]', '--config.checkpoint_every_steps=250']
   result = main(*flags)
   assert result.returncode == 0, result.stderr[-3000:]
   log = result.stderr
@@ -49,8 +49,10 @@ def test_short_real_mnist_run(tfds_data_dir, tmp_path):
   # Quiet: the libraries' start-up notices and INFO lines are hidden; the run ends by saying
   # what it achieved and where everything is.
   for noise in ('oneDNN', 'absl::InitializeLog', "Unable to initialize backend 'tpu'",
-                'dataset_info.py', 'Dl Completed', 'cpu_feature_guard'):
+                'dataset_info.py', 'Dl Completed', 'cpu_feature_guard',
+                'did not provide metrics'):  # Orbax, at the mid-epoch save (step 250).
     assert noise not in log, noise
+  assert 'Saved checkpoint at step 250' in log
   summary = log[log.index('Done in'):]
   for expected in ('eval/accuracy', 'kept as --checkpoint=best', os.path.join(workdir,
                    'checkpoints'), summaries.METRICS_FILE, f'tensorboard --logdir {workdir}',

@@ -91,12 +91,15 @@ def _orbax_warnings_only(record) -> bool:
   """A logging filter: Orbax logs ~40 INFO lines per save; we log one line per save instead.
 
   Orbax also logs the traceback of each of its writer threads that fails; the save re-raises
-  the same error to its caller, which reports it once.
+  the same error to its caller, which reports it once. And it warns at every save without
+  metrics while it tracks a best: the mid-epoch saves carry none on purpose (the best is an
+  epoch-end checkpoint).
   """
   if f'{os.sep}orbax{os.sep}' not in record.pathname:
     return True
-  return (record.levelno >= python_logging.WARNING
-          and 'raised an exception' not in record.getMessage())
+  message = record.getMessage()
+  return (record.levelno >= python_logging.WARNING and 'raised an exception' not in message
+          and 'did not provide metrics' not in message)
 
 
 def checkpoint_path(path: str) -> str:
