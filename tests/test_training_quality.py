@@ -136,12 +136,15 @@ def test_ema_after_n_steps_equals_the_formula():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize('compute_dtype', ['float32', 'bfloat16'])
 def test_a_resumed_run_with_ema_ends_bit_exactly_like_an_uninterrupted_one(tfds_data_dir,
-                                                                           tmp_path):
+                                                                           tmp_path,
+                                                                           compute_dtype):
+  options = {'ema_decay': 0.9, 'compute_dtype': compute_dtype}
   whole, halves = str(tmp_path / 'whole'), str(tmp_path / 'halves')
-  train.train_and_evaluate(_tiny_mnist(tfds_data_dir, ema_decay=0.9), whole)
-  train.train_and_evaluate(_tiny_mnist(tfds_data_dir, ema_decay=0.9, num_epochs=1), halves)
-  train.train_and_evaluate(_tiny_mnist(tfds_data_dir, ema_decay=0.9), halves)
+  train.train_and_evaluate(_tiny_mnist(tfds_data_dir, **options), whole)
+  train.train_and_evaluate(_tiny_mnist(tfds_data_dir, num_epochs=1, **options), halves)
+  train.train_and_evaluate(_tiny_mnist(tfds_data_dir, **options), halves)
   (step, state), (resumed_step, resumed) = saved(whole), saved(halves)
   assert step == resumed_step == 32
   assert any('ema' in name for name in state)
