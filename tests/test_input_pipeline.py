@@ -164,16 +164,19 @@ def test_bad_input_values_are_config_errors_naming_the_key(overrides, key):
   assert (error.value.key, error.value.value) == (key, config[key])
 
 
-@pytest.mark.parametrize('overrides,key', [
-    (dict(input_backend='torch', preprocess='flip_lr'), 'input_backend'),
-    (dict(input_backend='torch', in_memory='never'), 'input_backend'),
-    (dict(data_source='torchvision', in_memory='never'), 'in_memory'),
+@pytest.mark.parametrize('overrides,key,package', [
+    (dict(input_backend='torch', preprocess='flip_lr'), 'input_backend', 'torch'),
+    (dict(input_backend='torch', in_memory='never'), 'input_backend', 'torch'),
+    (dict(data_source='torchvision', in_memory='never'), 'in_memory', 'torchvision'),
 ])
-def test_sources_and_backends_that_cannot_serve_the_input(overrides, key):
-  # Known before any package or data is touched: from the sources' registrations.
+def test_sources_and_backends_that_cannot_serve_the_input(overrides, key, package):
+  # Known before any data is touched, from the sources' registrations. Without the package,
+  # the first problem reported is that it is missing (tests/test_data_sources.py).
+  requires_extras(package)
   with pytest.raises(errors.ConfigError) as error:
     config_checks.check_config(_config(**overrides))
   assert error.value.key == key
+  assert not isinstance(error.value, errors.MissingPackage)
 
 
 def test_random_ops_must_keep_the_model_input_size(tfds_data_dir):
