@@ -51,13 +51,15 @@ class Operation(NamedTuple):
 
 
 def _table(hlo_text: str, name: str) -> dict[int, str]:
-  """One of the HLO text's numbered tables (FileNames, StackFrames, ...)."""
+  """One of the HLO text's numbered tables (FileNames, StackFrames, ...); {} if it has none."""
+  if f'\n{name}\n' not in hlo_text:
+    return {}
   block = hlo_text.split(f'\n{name}\n', 1)[1].split('\n\n', 1)[0]
   return {int(line.split(' ', 1)[0]): line.split(' ', 1)[1] for line in block.splitlines()}
 
 
 def operations(hlo_text: str) -> dict[str, Operation]:
-  """{HLO instruction name: Operation} of a compiled module's text."""
+  """{HLO instruction name: Operation} of the entry computation of a compiled module's text."""
   files, functions = _table(hlo_text, 'FileNames'), _table(hlo_text, 'FunctionNames')
   locations, frames = _table(hlo_text, 'FileLocations'), _table(hlo_text, 'StackFrames')
 
@@ -69,10 +71,10 @@ def operations(hlo_text: str) -> dict[str, Operation]:
     return f'{file}:{function}'
 
   shapes, computation_flops, found = {}, collections.Counter(), {}
-  computation = ''
+  computation, entry = '', False
   for line in hlo_text.splitlines():
-    if header := re.match(r'%?([\w.\-]+) \(.*\{$', line):
-      computation = header.group(1)
+    if header := re.match(r'(ENTRY )?%?([\w.\-]+) \(.*\{$', line):
+      entry, computation = bool(header.group(1)), header.group(2)
     match = re.match(r'\s*(?:ROOT )?%?([\w.\-]+) = (\w+\[[\d,]*\])\S* ([\w\-]+)\(', line)
     if not match:
       continue
@@ -87,8 +89,10 @@ def operations(hlo_text: str) -> dict[str, Operation]:
       computation_flops[computation] += flops
     if called := re.search(r'calls=%?([\w.\-]+)', line):
       flops += computation_flops[called.group(1)]
+    if not entry:  # Fused and called computations: their callers are the operations run.
+      continue
     op_name = re.search(r'op_name="([^"]*)"', line)
-    frame = re.search(r'stack_frame_id=(\d+)', line)
+    frame = re.search(r'stack_frame_id=(\d+)', line) if frames else None
     found[name] = Operation(shape, bool(op_name and 'transpose(' in op_name.group(1)),
                             traced_by(frame.group(1)) if frame else '', flops)
   return found
