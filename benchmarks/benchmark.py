@@ -43,12 +43,12 @@ from absl import flags
 from absl import logging
 from flax import nnx
 import jax
-import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
 import tensorflow as tf
 
 from benchmarks import reference_mnist
+from benchmarks import timing
 import input_pipeline
 import train
 from training import evaluation
@@ -78,23 +78,6 @@ _PROJECT = ('project', 'project', True, ())
 _STOCK_LAYERS = ('project_stock_layers', 'project', True, ('--config.cpu_kernels=off',))
 _REFERENCE_RUNS = [('reference', 'reference', False, ()),
                    ('reference_kept_memory', 'reference', True, ())]
-
-
-def best_time(fn: Callable[[], object], repeats: int = 5) -> float:
-  """Seconds of the fastest of `repeats` calls of `fn` (which must block until done)."""
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return min(times)
-
-
-def matmul_flops_per_sec(size: int = 2048) -> float:
-  a = jnp.ones((size, size), jnp.float32)
-  matmul = jax.jit(lambda a: a @ a)
-  matmul(a).block_until_ready()
-  return 2 * size**3 / best_time(lambda: matmul(a).block_until_ready(), repeats=10)
 
 
 def measure_training(step: Callable[[dict], object], batches: Iterator[dict],
@@ -158,7 +141,7 @@ def measure_project(config) -> dict[str, float]:
   split = evaluation.Evaluation('eval', evaluators.create(config.evaluators), data.info,
                                 data.info.num_eval_examples)
   split.run(state.eval_model(), eval_batches)  # Compile.
-  eval_s = best_time(lambda: split.run(state.eval_model(), eval_batches), repeats=3)
+  eval_s = timing.best_time(lambda: split.run(state.eval_model(), eval_batches), repeats=3)
   return {'compile_s': compile_s, 'flops_per_example': flops, **results,
           'eval_examples_per_sec': data.info.num_eval_examples / eval_s}
 
@@ -177,7 +160,7 @@ def measure_reference(config) -> dict[str, float]:
 
   results = measure_training(step, batches, len(first['label']), FLAGS.steps)
   reference_mnist.evaluate(model, metrics, test_ds)  # Compile.
-  eval_s = best_time(lambda: reference_mnist.evaluate(model, metrics, test_ds), repeats=3)
+  eval_s = timing.best_time(lambda: reference_mnist.evaluate(model, metrics, test_ds), repeats=3)
   num_eval = sum(len(batch['label']) for batch in test_ds.as_numpy_iterator())
   return {'compile_s': compile_s, 'flops_per_example': flops, **results,
           'eval_examples_per_sec': num_eval / eval_s}
@@ -186,7 +169,7 @@ def measure_reference(config) -> dict[str, float]:
 def measure(program: str) -> dict[str, float]:
   """All in-process figures of `program` ('project' or 'reference')."""
   config = FLAGS.config
-  peak = matmul_flops_per_sec()
+  peak = timing.matmul_flops_per_sec()
   figures = (measure_project if program == 'project' else measure_reference)(config)
   achieved = figures['flops_per_example'] * figures['train_examples_per_sec']
   return {**figures, 'matmul_gflops': peak / 1e9, 'achieved_gflops': achieved / 1e9,

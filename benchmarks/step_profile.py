@@ -32,6 +32,7 @@ from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top
 
+from benchmarks import timing  # pylint: disable=g-import-not-at-top
 from data_sources import base  # pylint: disable=g-import-not-at-top
 from training import losses  # pylint: disable=g-import-not-at-top
 from training import state as state_lib  # pylint: disable=g-import-not-at-top
@@ -113,20 +114,6 @@ def events(trace_dir: str) -> dict[str, float]:
   return totals
 
 
-def matmul_gflops() -> float:
-  x = jnp.ones((2048, 2048), jnp.float32)
-  f = jax.jit(lambda a: a @ a)
-  f(x).block_until_ready()
-  best = min(_timed(lambda: f(x).block_until_ready()) for _ in range(10))
-  return 2 * 2048**3 / best / 1e9
-
-
-def _timed(fn) -> float:
-  start = time.perf_counter()
-  fn()
-  return time.perf_counter() - start
-
-
 def main(argv):
   del argv
   config = FLAGS.config
@@ -156,7 +143,7 @@ def main(argv):
     with jax.profiler.trace(trace_dir, profiler_options=options):
       step_ms = run_steps(FLAGS.steps)
     totals = events(trace_dir)
-  peak = matmul_gflops()
+  peak = timing.matmul_flops_per_sec() / 1e9
   rows = sorted(((picoseconds / 1e9 / FLAGS.steps, name, hlo[name])
                  for name, picoseconds in totals.items() if name in hlo), reverse=True)
   print(f'{config.model}, batch {config.batch_size}, cpu_kernels={config.cpu_kernels}, '
