@@ -82,6 +82,9 @@ def get_config() -> ml_collections.ConfigDict:
   # on): the alpha of the Beta distribution of the mixing weight; 0 = off.
   config.mixup_alpha = 0.0
   config.cutmix_alpha = 0.0
+  # The last epochs train on unmixed images (YOLOX's no_aug_epochs, for mixing only): the
+  # weights settle on the images they are evaluated on while the learning rate is lowest.
+  config.unmixed_last_epochs = 0
   config.optimizer = 'sgd'  # training/optimizers.py: 'sgd', 'sgd_l2', 'adam', 'adamw'.
   config.optimizer_options = ml_collections.ConfigDict({
       'sgd': {'momentum': 0.9},  # 0 = plain SGD.

@@ -131,6 +131,28 @@ def test_mixed_batches_carry_soft_targets_and_train():
   assert np.isfinite(state.window.results()['train/loss'])
 
 
+def test_the_last_epochs_train_on_unmixed_images_with_one_hot_targets():
+  config = default.get_config()
+  config.update(mixup_alpha=1.0, cutmix_alpha=1.0, batch_size=8, num_epochs=3,
+                unmixed_last_epochs=1, shuffle_buffer_size=32, preprocess='translate(2)')
+  rng = np.random.default_rng(0)
+  split = input_pipeline.base.Split(images=rng.integers(0, 256, (16, 28, 28, 1), np.uint8),
+                                    labels=rng.integers(0, 10, 16).astype(np.int32))
+  data = input_pipeline.Data(None, preprocessing.parse(config.preprocess), INFO)
+  batches = list(input_pipeline.train_batches(split, data, config, 8))
+  config.update(mixup_alpha=0.0, cutmix_alpha=0.0)
+  unmixed = list(input_pipeline.train_batches(split, data, config, 8))
+  assert len(batches) == len(unmixed) == 6
+  for number, (batch, plain) in enumerate(zip(batches, unmixed)):
+    one_hot = np.eye(10)[batch['label']]
+    if number < 4:  # Epochs 0 and 1: mixed.
+      assert not np.array_equal(batch['image'], plain['image'])
+      assert not np.array_equal(batch['target'], one_hot)
+    else:  # The last epoch: the augmented images as without mixing, one-hot targets.
+      np.testing.assert_array_equal(batch['image'], plain['image'])
+      np.testing.assert_array_equal(batch['target'], one_hot)
+
+
 def test_any_optax_optimizer_by_name_clipping_and_schedules():
   state, train_step = create(optimizer='lamb', learning_rate=1e-3, grad_clip_norm=1.0,
                              optimizer_options={'lamb': {'b1': 0.8}})
@@ -158,7 +180,8 @@ def test_any_optax_optimizer_by_name_clipping_and_schedules():
 
 
 @pytest.mark.parametrize('key,value', [('freeze', ('conv[',)), ('lr_multipliers', {'x': -1.0}),
-                                       ('grad_clip_norm', -1.0), ('mixup_alpha', -0.5)])
+                                       ('grad_clip_norm', -1.0), ('mixup_alpha', -0.5),
+                                       ('unmixed_last_epochs', 11)])
 def test_bad_values_name_the_key(key, value):
   config = default.get_config()
   config[key] = value

@@ -57,6 +57,8 @@ def check_config(config: ml_collections.ConfigDict) -> None:
       ('ema_decay', lambda value: 0 <= value < 1, 'in [0, 1) (0 = off)'),
       ('warmup_epochs', lambda value: 0 <= value <= config.num_epochs,
        f'in [0, num_epochs={config.num_epochs}]'),
+      ('unmixed_last_epochs', lambda value: _is_int(value) and 0 <= value <= config.num_epochs,
+       f'an integer in [0, num_epochs={config.num_epochs}]'),
       ('early_stopping_min_delta', lambda value: value >= 0, '>= 0'),
       ('grad_clip_norm', lambda value: value >= 0, '>= 0 (0 = off)'),
       ('mixup_alpha', lambda value: value >= 0, '>= 0 (0 = off)'),
