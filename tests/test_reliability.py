@@ -308,6 +308,7 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step(tfds_data_d
   assert os.listdir(tmp_path / 'checkpoints') == [str(step)]
   for log in logs:
     assert f'Received SIGTERM: saved a checkpoint at step {step}' in ''.join(log)
+    assert 'Reached preemption sync point' not in ''.join(log)  # Orbax's, 3-4 times a process.
 
 
 @pytest.mark.slow

@@ -93,13 +93,15 @@ def _orbax_warnings_only(record) -> bool:
   Orbax also logs the traceback of each of its writer threads that fails; the save re-raises
   the same error to its caller, which reports it once. And it warns at every save without
   metrics while it tracks a best: the mid-epoch saves carry none on purpose (the best is an
-  epoch-end checkpoint).
+  epoch-end checkpoint). Its warning of the preemption sync point comes at each of its checks,
+  3-4 times per process; the run's last line says where it saved and why it stopped.
   """
   if f'{os.sep}orbax{os.sep}' not in record.pathname:
     return True
   message = record.getMessage()
-  return (record.levelno >= python_logging.WARNING and 'raised an exception' not in message
-          and 'did not provide metrics' not in message)
+  return record.levelno >= python_logging.WARNING and not any(
+      repeated in message for repeated in ('raised an exception', 'did not provide metrics',
+                                           'Reached preemption sync point'))
 
 
 def checkpoint_path(path: str) -> str:
