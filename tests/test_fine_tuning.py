@@ -4,6 +4,7 @@ schedules."""
 
 from flax import nnx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -129,6 +130,18 @@ def test_mixed_batches_carry_soft_targets_and_train():
                                                              'class_weights': None}})
   train_step(state, batch)
   assert np.isfinite(state.window.results()['train/loss'])
+
+
+def test_train_metrics_of_mixed_images_are_taken_against_their_targets():
+  sums = state_lib.MetricSums()
+  logits = jnp.log(jnp.array([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6]]))
+  targets = jnp.array([[0.9, 0.1, 0.0], [0.6, 0.0, 0.4]])  # Larger classes 0 and 0.
+  sums.add(logits, targets)
+  sums.add(logits, jnp.array([0, 2]))
+  np.testing.assert_allclose(
+      sums.results()['train/loss'],
+      (-(targets * logits).sum() - jnp.log(0.7) - jnp.log(0.6)) / 4, rtol=1e-6)
+  assert sums.results()['train/accuracy'] == 3 / 4
 
 
 def test_the_last_epochs_train_on_unmixed_images_with_one_hot_targets():
