@@ -158,8 +158,10 @@ def test_the_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path, caplog)
 def test_two_runs_on_one_workdir_the_second_is_refused(tfds_data_dir, tmp_path):
   workdir = tmp_path / 'run'
   first = subprocess.Popen(
-      _main_command(workdir, tfds_data_dir, '--config.train_split=train[:2048]',
-                    '--config.learning_rate=0.05'),
+      # Long enough that the second run starts before the first ends, on a loaded machine too
+      # (2,048 examples for 1 epoch once ended first in a CI check).
+      _main_command(workdir, tfds_data_dir, '--config.train_split=train[:8192]',
+                    '--config.num_epochs=2', '--config.learning_rate=0.05'),
       cwd=ROOT, stderr=subprocess.PIPE, text=True)
   try:
     log = []
