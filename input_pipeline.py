@@ -213,12 +213,14 @@ def train_batches(split: base.Split | Streamed, data: Data, config: ml_collectio
       seeds = tf.stack([tf.constant(seed, tf.int64), index])
       prepared = {'image': data.preprocess.train_batch(batch['image'], seeds),
                   'label': batch['label']}
-      if mixes(config) and epoch < config.num_epochs - config.unmixed_last_epochs:
+      if not mixes(config):
+        return prepared
+      if epoch < config.num_epochs - config.unmixed_last_epochs:
         prepared['image'], prepared['target'] = mix.mix(
             prepared['image'], batch['label'], data.info.num_classes,
             tf.random.experimental.stateless_fold_in(seeds, 1), config.mixup_alpha,
             config.cutmix_alpha)
-      elif mixes(config):  # One-hot targets: the batches keep their structure (no recompile).
+      else:  # One-hot targets: the batches keep their structure (no recompile).
         prepared['target'] = tf.one_hot(batch['label'], data.info.num_classes)
       return prepared
 

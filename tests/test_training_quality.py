@@ -155,16 +155,17 @@ def test_a_resumed_run_with_ema_ends_bit_exactly_like_an_uninterrupted_one(tfds_
 @pytest.mark.slow
 def test_a_resumed_run_with_every_training_option_ends_bit_exactly(tfds_data_dir, tmp_path,
                                                                     monkeypatch):
-  """Mixup and CutMix (off in the last epoch), RandAugment and random erasing, class weights, label smoothing, frozen
-  layers, a multiplier, clipping, a step schedule, the EMA and fine-tuning from a checkpoint:
-  stopped mid-epoch (as by a SIGTERM) and resumed, the run ends in the uninterrupted state."""
+  """Mixup and CutMix (off in the last epoch), RandAugment and random erasing, class weights,
+  label smoothing, frozen layers, a multiplier, clipping, a step schedule, the EMA and
+  fine-tuning from a checkpoint: stopped mid-epoch (as by a SIGTERM) and resumed, the run ends
+  in the uninterrupted state."""
   source = str(tmp_path / 'source')
   train.train_and_evaluate(_tiny_mnist(tfds_data_dir, num_epochs=1), source)
   config = _tiny_mnist(
       tfds_data_dir, preprocess='translate(2)|randaugment(2, 9)|random_erasing(0.5)',
-      mixup_alpha=0.2, cutmix_alpha=1.0, unmixed_last_epochs=1, freeze=('conv1',), lr_multipliers={'linear2': 2.0},
-      grad_clip_norm=1.0, schedule='step', ema_decay=0.9, init_from=source,
-      init_exclude=('linear2',),
+      mixup_alpha=0.2, cutmix_alpha=1.0, unmixed_last_epochs=1, freeze=('conv1',),
+      lr_multipliers={'linear2': 2.0}, grad_clip_norm=1.0, schedule='step', ema_decay=0.9,
+      init_from=source, init_exclude=('linear2',),
       loss_options={'cross_entropy': {'label_smoothing': 0.1, 'class_weights': 'balanced'}})
   whole, halves = str(tmp_path / 'whole'), str(tmp_path / 'halves')
   train.train_and_evaluate(config, whole)

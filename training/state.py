@@ -40,15 +40,10 @@ class MetricSums(nnx.Module):
 
   def add(self, logits: jax.Array, targets: jax.Array) -> None:
     """Adds a batch: `targets` are integer labels (batch,) or soft targets (batch, classes)."""
-    if targets.ndim == 1:
-      labels = targets
-      cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    else:
-      labels = targets.argmax(axis=-1)
-      cross_entropy = optax.softmax_cross_entropy(logits, targets)
-    self.loss[...] += cross_entropy.sum()
-    self.correct[...] += (logits.argmax(axis=-1) == labels).sum(dtype=jnp.int32)
-    self.count[...] += labels.shape[0]
+    targets = losses.soft_targets(targets, logits.shape[-1])
+    self.loss[...] += optax.softmax_cross_entropy(logits, targets).sum()
+    self.correct[...] += (logits.argmax(axis=-1) == targets.argmax(axis=-1)).sum(dtype=jnp.int32)
+    self.count[...] += targets.shape[0]
 
   def reset(self) -> None:
     for variable in (self.loss, self.correct, self.count):
