@@ -61,7 +61,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                           lambda: _class_counts(splits.result()[0], data.info))
     train_split, eval_batches = splits.result()
   parameter_overview.log_parameter_overview(
-      nnx.state(loop.state.model, nnx.Param).to_pure_dict(), msg=f'{config.model} parameters')
+      nnx.to_pure_dict(nnx.state(loop.state.model, nnx.Param)), msg=f'{config.model} parameters')
 
   writer = summaries.create_writer(workdir)
   with runtime.StopSignals(jax.process_count()) as signals:

@@ -31,7 +31,7 @@ def _config(**overrides):
 
 
 def _params(model):
-  return jax.tree.map(np.asarray, nnx.state(model, nnx.Param).to_pure_dict())
+  return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
 def _smoothed_cross_entropy(logits, labels, alpha):

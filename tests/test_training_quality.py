@@ -117,10 +117,10 @@ def test_the_test_split_is_scored_once_with_the_best_checkpoint(tfds_data_dir, t
 def test_ema_after_n_steps_equals_the_formula():
   decay, num_steps = 0.8, 4
   state, train_step = create(model='mlp', ema_decay=decay)
-  params = [jax.tree.map(np.array, nnx.state(state.model, nnx.Param).to_pure_dict())]
+  params = [jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(state.model, nnx.Param)))]
   for step in range(num_steps):
     train_step(state, random_batch(16, seed=step))
-    params.append(jax.tree.map(np.array, nnx.state(state.model, nnx.Param).to_pure_dict()))
+    params.append(jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(state.model, nnx.Param))))
   # ema_i = d_i ema_(i-1) + (1 - d_i) p_i, from ema_0 = p_0, with the warm-up
   # d_i = min(d, (1 + i) / (10 + i)).
   def expected_average(*history):
@@ -130,7 +130,7 @@ def test_ema_after_n_steps_equals_the_formula():
       average = warm * average + (1 - warm) * history[i]
     return average
   expected = jax.tree.map(expected_average, *params)
-  averaged = nnx.state(state.eval_model(), nnx.Param).to_pure_dict()
+  averaged = nnx.to_pure_dict(nnx.state(state.eval_model(), nnx.Param))
   jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6),
                averaged, expected)
 
