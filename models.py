@@ -22,7 +22,8 @@ from core import registry
 import kernels
 
 T = TypeVar('T')
-MODELS = registry.Registry('model', key='model', app_args=2)  # (image_shape, num_classes)
+# (image_shape, num_classes); the modern backbones register from the modules of `backbones/`.
+MODELS = registry.Registry('model', key='model', app_args=2, package='backbones')
 # He et al.'s initialisation for convolutions followed by ReLU.
 _HE_NORMAL = nnx.initializers.variance_scaling(2.0, 'fan_out', 'normal')
 
