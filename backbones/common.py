@@ -86,6 +86,18 @@ def gelu(x: jax.Array) -> jax.Array:
   return jax.nn.gelu(x, approximate=False)
 
 
+class Mlp(nnx.Module):
+  """The feed-forward block of transformers and ConvNeXt: `fc1` to `hidden` features, exact
+  GELU, `fc2` back, on the last axis."""
+
+  def __init__(self, features: int, hidden: int, *, layers: kernels.Layers, rngs: nnx.Rngs):
+    self.fc1 = layers.linear(features, hidden, kernel_init=TRUNC_NORMAL, rngs=rngs)
+    self.fc2 = layers.linear(hidden, features, kernel_init=TRUNC_NORMAL, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.fc2(gelu(self.fc1(x)))
+
+
 class DropPath(nnx.Module):
   """Stochastic depth (Huang et al. 2016): drops a residual branch for whole examples in
   training, scaling the kept ones by 1 / (1 - rate); the identity in eval mode.

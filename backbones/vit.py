@@ -40,17 +40,6 @@ class Attention(nnx.Module):
     return self.proj(x.reshape(batch, tokens, features))
 
 
-class Mlp(nnx.Module):
-  """The transformer's feed-forward block: `fc1` to `hidden` features, exact GELU, `fc2`."""
-
-  def __init__(self, features: int, hidden: int, *, layers: kernels.Layers, rngs: nnx.Rngs):
-    self.fc1 = layers.linear(features, hidden, kernel_init=common.TRUNC_NORMAL, rngs=rngs)
-    self.fc2 = layers.linear(hidden, features, kernel_init=common.TRUNC_NORMAL, rngs=rngs)
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    return self.fc2(common.gelu(self.fc1(x)))
-
-
 class Block(nnx.Module):
   """A pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x)), each residual
   branch under stochastic depth."""
@@ -60,7 +49,7 @@ class Block(nnx.Module):
     self.norm1 = common.layer_norm(features, rngs=rngs)
     self.attn = Attention(features, num_heads, layers=layers, rngs=rngs)
     self.norm2 = common.layer_norm(features, rngs=rngs)
-    self.mlp = Mlp(features, 4 * features, layers=layers, rngs=rngs)
+    self.mlp = common.Mlp(features, 4 * features, layers=layers, rngs=rngs)
     self.drop_path = common.DropPath(drop_path_rate, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
