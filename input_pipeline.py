@@ -1,7 +1,8 @@
 """Input pipeline: a data source's splits, preprocessed, as NumPy batches for JAX.
 
-`open_data` opens `config.data_source`, parses `config.preprocess` and checks the splits: the
-`DatasetInfo` the model is built for. `open_split` gives a split as `config.in_memory` says:
+`Input` is how a run reads its data, resolved from the config by `training/spec.py`. `open_data`
+opens its source and checks the splits: the `DatasetInfo` the model is built for. `open_split`
+gives a split as `Input.in_memory` says:
 decoded once into NumPy arrays held in memory (`base.Split`), or `Streamed`: read from the
 source's files on every pass, decoded in parallel, never whole in memory. Either way, images are
 resized (the preprocessing's first stage) where they are decoded and stay uint8 until batched.
@@ -12,8 +13,9 @@ it is made, through the preprocessing's random ops and scaling (vectorised over 
 shuffle buffer holds uint8, a quarter of the memory). With `config.input_backend='torch'` a
 torch DataLoader shuffles and batches instead, and tf.data maps its batches the same way. Every
 epoch has its own shuffle order (and file order, when streamed) and augmentation draws, derived
-from `config.seed`, so a run can restart at any step and see the same data. Eval batches get
-the deterministic stages only, padded to equal sizes with a mask.
+from the run's seed, so a run can restart at any step and see the same data. Eval batches get
+the deterministic stages only, padded to equal sizes with a mask, and go to the devices one at
+a time. `batch_layout` is the one description of a batch's arrays, for compiling ahead.
 """
 
 from collections.abc import Callable, Iterator
@@ -23,9 +25,10 @@ import math
 import os
 
 from absl import logging
-import ml_collections
+import jax
 import numpy as np
 import tensorflow as tf
+import tensorflow_datasets as tfds
 
 from core import errors
 import data_sources
@@ -41,16 +44,46 @@ INPUT_BACKENDS = ('tf', 'torch')
 MEMORY_SHARE = 0.25
 _MAP_BLOCK = 1024  # Examples resized per tf.data map call.
 _PREFETCH_BATCHES = 2  # Training batches prepared ahead of the train loop.
-_PREFETCH_EVAL = 2  # Streamed eval batches read ahead.
+_PREFETCH_EVAL = 2  # Eval batches prepared ahead.
 _FEW_EXAMPLES = 10  # A class with fewer training examples than this gets a warning.
 
 
 @dataclasses.dataclass(frozen=True)
+class Input:
+  """How a run reads its data: the source, the training split, its preprocessing and batching.
+
+  `in_memory`: 'always' decodes each split into memory once, 'never' streams it from its files
+  on every pass, 'auto' keeps it in memory when it fits `MEMORY_SHARE` of the machine's memory.
+  Mixing (Mixup/CutMix, soft targets) is on when an alpha is, but in the last
+  `unmixed_last_epochs` epochs.
+  """
+  source: Callable[[], base.DataSource]  # Opens the data source.
+  can_stream: bool  # Whether the source streams splits from its files.
+  preprocess: preprocessing.Preprocessing
+  train_split: str = 'train'
+  in_memory: str = 'auto'
+  shuffle_buffer_size: int = 60_000
+  backend: str = 'tf'  # 'tf' (tf.data) or 'torch' (a DataLoader shuffles and batches).
+  seed: int = 0
+  num_epochs: int = 1
+  mixup_alpha: float = 0.0
+  cutmix_alpha: float = 0.0
+  unmixed_last_epochs: int = 0
+
+  @property
+  def mixes(self) -> bool:
+    """Whether training batches are mixed (Mixup or CutMix), with soft targets."""
+    return bool(self.mixup_alpha or self.cutmix_alpha)
+
+
+@dataclasses.dataclass(frozen=True)
 class Data:
-  """A data source with its preprocessing, and the metadata of the config's splits."""
+  """An opened data source with the run's preprocessing, the metadata of its splits, and the
+  size of each evaluation's split (by evaluation name)."""
   source: base.DataSource
   preprocess: preprocessing.Preprocessing
   info: base.DatasetInfo
+  eval_sizes: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,54 +95,33 @@ class Streamed:
   image_shape: tuple[int, int, int]
 
 
-def open_data(config: ml_collections.ConfigDict) -> Data:
-  """`config.data_source` with `config.preprocess`; the splits checked, nothing decoded."""
-  check_input(config)
-  preprocess = preprocessing.parse(config.preprocess)
-  source = data_sources.open_source(config)
-  sizes = {key: source.split_size(key, config[key]) if config.get(key) else 0
-           for key in ('train_split', 'eval_split', 'test_split')}
+def open_data(inputs: Input, eval_splits: dict[str, tuple[str, str]]) -> Data:
+  """`inputs`' source with its preprocessing; the training split and each evaluation's split
+  (`eval_splits`: {evaluation name: (its config key, split)}) checked, nothing decoded."""
+  source = inputs.source()
+  eval_sizes = {name: source.split_size(key, split)
+                for name, (key, split) in eval_splits.items()}
   info = base.DatasetInfo(
-      name=source.name, image_shape=preprocess.image_shape(source.image_shape, source.name),
-      num_classes=source.num_classes, num_train_examples=sizes['train_split'],
-      num_eval_examples=sizes['eval_split'], num_test_examples=sizes['test_split'],
+      name=source.name,
+      image_shape=inputs.preprocess.image_shape(source.image_shape, source.name),
+      num_classes=source.num_classes,
+      num_train_examples=source.split_size('train_split', inputs.train_split),
+      num_eval_examples=eval_sizes.get('eval', 0), num_test_examples=eval_sizes.get('test', 0),
       class_names=tuple(source.class_names))
-  return Data(source, preprocess, info)
+  return Data(source, inputs.preprocess, info, eval_sizes)
 
 
-def can_stream(config: ml_collections.ConfigDict) -> bool:
-  return bool(data_sources.SOURCES.capability(config.data_source, 'can_stream'))
-
-
-def check_input(config: ml_collections.ConfigDict) -> None:
-  """Checks that the data source and input backend can serve config.in_memory and the random
-  ops of config.preprocess."""
-  if config.in_memory == 'never' and not can_stream(config):
-    streaming = [name for name in data_sources.SOURCES.names()
-                 if data_sources.SOURCES.capability(name, 'can_stream')]
-    raise errors.ConfigError(
-        f"config.in_memory='never' streams splits from their files, which data_source "
-        f"{config.data_source!r} cannot: use in_memory='auto' or 'always', or a data source "
-        f'that streams ({", ".join(streaming)}).', key='in_memory', value='never')
-  if config.input_backend == 'torch':
-    try:
-      import torch  # pylint: disable=g-import-not-at-top,unused-import  (optional)
-    except ImportError as error:
-      raise errors.MissingPackage(
-          "config.input_backend='torch' needs the 'torch' package, which is not installed: pip "
-          'install -r requirements-extras.txt (or pip install torch).', key='input_backend',
-          value='torch', package='torch') from error
-  if config.input_backend == 'torch' and (config.in_memory == 'never'
-                                          or preprocessing.parse(config.preprocess).random_ops):
-    raise errors.ConfigError(
-        "config.input_backend='torch' takes in-memory splits without random ops: use "
-        "input_backend='tf' for in_memory='never' or random ops in config.preprocess.",
-        key='input_backend', value=config.input_backend)
-
-
-def mixes(config: ml_collections.ConfigDict) -> bool:
-  """Whether training batches are mixed (Mixup or CutMix), with soft targets."""
-  return bool(config.mixup_alpha or config.cutmix_alpha)
+def batch_layout(info: base.DatasetInfo, batch_size: int, *, targets: bool = False,
+                 mask: bool = False) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+  """{name: (shape, dtype)} of a batch of `batch_size`: the layout `train_batches` (with
+  soft `targets` when it mixes) and `eval_batches` (with `mask`) give, for compiling ahead."""
+  layout = {'image': ((batch_size, *info.image_shape), np.float32),
+            'label': ((batch_size,), np.int32)}
+  if targets:
+    layout['target'] = ((batch_size, info.num_classes), np.float32)
+  if mask:
+    layout['mask'] = ((batch_size,), np.bool_)
+  return layout
 
 
 def epoch_seed(seed: int, epoch):
@@ -117,25 +129,36 @@ def epoch_seed(seed: int, epoch):
   return seed * 2**20 + epoch  # Distinct for epochs below 2**20.
 
 
-def open_split(data: Data, split: base.SplitArg,
-               config: ml_collections.ConfigDict) -> base.Split | Streamed:
-  """`split` of the source with its images resized, in memory or streamed.
+def process_split(split: str, drop_remainder: bool = False) -> base.SplitArg:
+  """This process's slice of `split`; the split itself in a single-process run.
 
-  `config.in_memory`: 'always' decodes the split into memory, 'never' streams it, and 'auto'
-  keeps it in memory when it fits `MEMORY_SHARE` of the machine's memory (sources that cannot
-  stream always load into memory).
+  With `drop_remainder`, all slices have the same size (the remainder is dropped). Slices are
+  TFDS read instructions, which every data source resolves (TFDS's own, and the sources built
+  on `base.RangeSource`: image folders, Hugging Face, torchvision).
   """
+  if jax.process_count() == 1:
+    return split
+  return tfds.split_for_jax_process(split, drop_remainder=drop_remainder)
+
+
+def open_split(data: Data, split: base.SplitArg, inputs: Input,
+               preprocess: preprocessing.Preprocessing | None = None
+               ) -> base.Split | Streamed:
+  """`split` of the source with its images resized (by `preprocess`, default the run's), in
+  memory or streamed, as `inputs.in_memory` says (sources that cannot stream always load into
+  memory)."""
   source, image_shape = data.source, data.info.image_shape
+  preprocess = preprocess or data.preprocess
   num_examples = source.num_examples(split)
 
   def resized(examples: tf.data.Dataset) -> tf.data.Dataset:
     return examples.map(
         lambda example: {
-            'image': tf.ensure_shape(data.preprocess.resize(example['image']), image_shape),
+            'image': tf.ensure_shape(preprocess.resize(example['image']), image_shape),
             'label': example['label']},
         num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
-  if not _in_memory(config, split, num_examples, image_shape):
+  if not _in_memory(inputs, split, num_examples, image_shape):
     logging.info('Streaming split %r of %s (%d examples) from its files.', split, source.name,
                  num_examples)
     return Streamed(lambda seed: resized(source.examples(split, seed)), num_examples, image_shape)
@@ -145,14 +168,14 @@ def open_split(data: Data, split: base.SplitArg,
   if loaded.images.shape[1:] == image_shape:
     return loaded
   images = (tf.data.Dataset.from_tensor_slices(loaded.images).batch(_MAP_BLOCK)
-            .map(data.preprocess.resize).as_numpy_iterator())
+            .map(preprocess.resize).as_numpy_iterator())
   return base.Split(images=np.concatenate(list(images)), labels=loaded.labels)
 
 
-def _in_memory(config: ml_collections.ConfigDict, split: base.SplitArg, num_examples: int,
+def _in_memory(inputs: Input, split: base.SplitArg, num_examples: int,
                image_shape: tuple[int, int, int]) -> bool:
-  if config.in_memory != 'auto' or not can_stream(config) or config.input_backend == 'torch':
-    return config.in_memory != 'never'
+  if inputs.in_memory != 'auto' or not inputs.can_stream or inputs.backend == 'torch':
+    return inputs.in_memory != 'never'
   size = num_examples * math.prod(image_shape) * 4
   budget = MEMORY_SHARE * os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
   logging.info("in_memory='auto': split %r takes %.0f MB as float32, %s %.0f MB (%.0f%% of "
@@ -176,8 +199,8 @@ def log_class_counts(labels: np.ndarray, class_names: tuple[str, ...], split: st
                     'accuracy on them.', split, _FEW_EXAMPLES, ', '.join(rare))
 
 
-def train_batches(split: base.Split | Streamed, data: Data, config: ml_collections.ConfigDict,
-                  batch_size: int, start_epoch: int = 0, start_step: int = 0,
+def train_batches(split: base.Split | Streamed, data: Data, inputs: Input, batch_size: int,
+                  start_epoch: int = 0, start_step: int = 0,
                   augment: bool = True) -> Iterator[Batch]:
   """Yields training batches from batch `start_step` of `start_epoch` to the end of the run.
 
@@ -188,24 +211,24 @@ def train_batches(split: base.Split | Streamed, data: Data, config: ml_collectio
   step gives the same batches as the uninterrupted run. Without `augment`, the same examples
   in the same order come as eval sees images: no random ops, no mixing.
   """
-  epochs = range(start_epoch, config.num_epochs)
-  if config.input_backend == 'torch':
-    epoch_batches = functools.partial(_torch_batches, split, config.seed, batch_size)
+  epochs = range(start_epoch, inputs.num_epochs)
+  if inputs.backend == 'torch':
+    epoch_batches = functools.partial(_torch_batches, split, inputs.seed, batch_size)
   elif isinstance(split, Streamed):
     def epoch_batches(epoch):
-      seed = epoch_seed(config.seed, epoch)
-      # The shuffle buffer holds config.shuffle_buffer_size decoded uint8 examples: the memory
-      # that streaming needs, whatever the split's size.
-      return (split.examples(seed).shuffle(config.shuffle_buffer_size, seed=seed)
+      seed = epoch_seed(inputs.seed, epoch)
+      # The shuffle buffer holds shuffle_buffer_size decoded uint8 examples: the memory that
+      # streaming needs, whatever the split's size.
+      return (split.examples(seed).shuffle(inputs.shuffle_buffer_size, seed=seed)
               .batch(batch_size, drop_remainder=True))
   else:
     examples = tf.data.Dataset.from_tensor_slices({'image': split.images, 'label': split.labels})
     def epoch_batches(epoch):
-      return (examples.shuffle(config.shuffle_buffer_size, seed=epoch_seed(config.seed, epoch),
+      return (examples.shuffle(inputs.shuffle_buffer_size, seed=epoch_seed(inputs.seed, epoch),
                                reshuffle_each_iteration=False)
               .batch(batch_size, drop_remainder=True))
   for epoch in epochs:
-    seed = epoch_seed(config.seed, epoch)
+    seed = epoch_seed(inputs.seed, epoch)
 
     def prepare(index: tf.Tensor, batch: dict[str, tf.Tensor], seed=seed, epoch=epoch) -> Batch:
       if not augment:
@@ -213,13 +236,13 @@ def train_batches(split: base.Split | Streamed, data: Data, config: ml_collectio
       seeds = tf.stack([tf.constant(seed, tf.int64), index])
       prepared = {'image': data.preprocess.train_batch(batch['image'], seeds),
                   'label': batch['label']}
-      if not mixes(config):
+      if not inputs.mixes:
         return prepared
-      if epoch < config.num_epochs - config.unmixed_last_epochs:
+      if epoch < inputs.num_epochs - inputs.unmixed_last_epochs:
         prepared['image'], prepared['target'] = mix.mix(
             prepared['image'], batch['label'], data.info.num_classes,
-            tf.random.experimental.stateless_fold_in(seeds, 1), config.mixup_alpha,
-            config.cutmix_alpha)
+            tf.random.experimental.stateless_fold_in(seeds, 1), inputs.mixup_alpha,
+            inputs.cutmix_alpha)
       else:  # One-hot targets: the batches keep their structure (no recompile).
         prepared['target'] = tf.one_hot(batch['label'], data.info.num_classes)
       return prepared
@@ -263,53 +286,57 @@ def _numpy_batches(batches: tf.data.Dataset) -> Iterator[Batch]:
   yield from batches.prefetch(_PREFETCH_BATCHES).with_options(options).as_numpy_iterator()
 
 
-def eval_batches(split: base.Split | Streamed, preprocess: preprocessing.Preprocessing,
-                 batch_size: int, num_batches: int | None = None,
-                 place: Callable[[Batch], Batch] = lambda batch: batch,
-                 ) -> 'list[Batch] | StreamedBatches':
-  """The whole split as equal-sized batches, each example exactly once, preprocessed for eval.
+def eval_batches(data: Data, inputs: Input, split: str, num_examples: int, batch_size: int,
+                 preprocess: preprocessing.Preprocessing | None = None,
+                 place: Callable[[Batch], Batch] = lambda batch: batch) -> 'EvalBatches':
+  """The whole `split` (`num_examples` over all processes) as equal-sized global batches of
+  `batch_size`, each example exactly once, prepared for eval by `preprocess` (default: the
+  run's); `place` puts each batch where it is used (sharded on the devices), one at a time.
 
   The last batch is padded with zero images; `mask` is True for real examples and False for
-  padding, so every batch has one compiled shape and padding never counts. `num_batches` pads
-  further, to that many batches (so that every process runs the same number of eval steps).
-  `place` puts each batch where it is used (e.g. sharded on the devices). An in-memory split
-  gives a list; a streamed one gives `StreamedBatches`, which reads the split on every pass.
+  padding, so every batch has one compiled shape and padding never counts. Each process loads
+  its slice (sizes differ by at most one) and pads it to as many batches as the largest slice
+  needs, so all processes run the same number of eval steps.
   """
-  num_examples = split.num_examples if isinstance(split, Streamed) else len(split.labels)
-  pad = (num_batches * batch_size - num_examples if num_batches is not None
-         else -num_examples % batch_size)
-  if isinstance(split, Streamed):
-    return StreamedBatches(split, preprocess, batch_size, pad, place)
-  mask = np.concatenate([np.ones(num_examples, np.bool_), np.zeros(pad, np.bool_)])
-  images = np.concatenate([split.images, np.zeros((pad, *split.images.shape[1:]), np.uint8)])
-  labels = np.concatenate([split.labels, np.zeros(pad, np.int32)])
-  dataset = (tf.data.Dataset.from_tensor_slices({'image': images, 'label': labels, 'mask': mask})
-             .batch(batch_size)
-             .map(functools.partial(_eval_prepare, preprocess))
-             .prefetch(tf.data.AUTOTUNE))
-  return [place(batch) for batch in dataset.as_numpy_iterator()]
+  preprocess = preprocess or data.preprocess
+  local_batch = batch_size // jax.process_count()
+  largest_slice = -(-num_examples // jax.process_count())
+  num_batches = -(-largest_slice // local_batch)
+  examples = open_split(data, process_split(split), inputs, preprocess)
+  return EvalBatches(examples, preprocess, local_batch, num_batches, place)
 
 
-def _eval_prepare(preprocess: preprocessing.Preprocessing,
-                  batch: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
-  return {**batch, 'image': preprocess.eval_batch(batch['image'])}
+class EvalBatches:
+  """The eval batches of a split, an iterable: an in-memory split's batches are kept on the
+  host and placed one by one on every pass; a streamed split is read again on every pass."""
 
+  def __init__(self, split: base.Split | Streamed, preprocess: preprocessing.Preprocessing,
+               batch_size: int, num_batches: int, place: Callable[[Batch], Batch]):
+    self._split, self._preprocess, self._place = split, preprocess, place
+    self._batch_size = batch_size
+    num_examples = split.num_examples if isinstance(split, Streamed) else len(split.labels)
+    self._pad = num_batches * batch_size - num_examples
+    if not isinstance(split, Streamed):
+      self._host_batches = list(self._batches().as_numpy_iterator())
 
-class StreamedBatches:
-  """The eval batches of a streamed split: an iterable that reads the split on every pass."""
-
-  def __init__(self, split: Streamed, preprocess: preprocessing.Preprocessing, batch_size: int,
-               pad: int, place: Callable[[Batch], Batch]):
-    self._split, self._preprocess = split, preprocess
-    self._batch_size, self._pad, self._place = batch_size, pad, place
+  def _batches(self) -> tf.data.Dataset:
+    if isinstance(self._split, Streamed):
+      real = self._split.examples(None).map(lambda example: {**example, 'mask': True})
+      image_shape = self._split.image_shape
+    else:
+      real = tf.data.Dataset.from_tensor_slices(
+          {'image': self._split.images, 'label': self._split.labels,
+           'mask': np.ones(len(self._split.labels), np.bool_)})
+      image_shape = self._split.images.shape[1:]
+    padding = tf.data.Dataset.from_tensors({
+        'image': tf.zeros(image_shape, tf.uint8), 'label': tf.constant(0, tf.int32),
+        'mask': tf.constant(False)}).repeat(self._pad)
+    return (real.concatenate(padding).batch(self._batch_size)
+            .map(lambda batch: {**batch, 'image': self._preprocess.eval_batch(batch['image'])})
+            .prefetch(_PREFETCH_EVAL))
 
   def __iter__(self) -> Iterator[Batch]:
-    real = self._split.examples(None).map(lambda example: {**example, 'mask': True})
-    padding = tf.data.Dataset.from_tensors({
-        'image': tf.zeros(self._split.image_shape, tf.uint8), 'label': tf.constant(0, tf.int32),
-        'mask': tf.constant(False)}).repeat(self._pad)
-    batches = (real.concatenate(padding).batch(self._batch_size)
-               .map(functools.partial(_eval_prepare, self._preprocess))
-               .prefetch(_PREFETCH_EVAL))
-    for batch in batches.as_numpy_iterator():
+    batches = (self._host_batches if not isinstance(self._split, Streamed)
+               else self._batches().as_numpy_iterator())
+    for batch in batches:
       yield self._place(batch)

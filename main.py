@@ -28,7 +28,6 @@ from ml_collections import config_flags
 import tensorflow as tf
 
 from core import cli
-from configs import default
 from core import errors
 from modes import evaluate
 from modes import export
@@ -36,6 +35,7 @@ from modes import predict
 import train
 from training import checkpointing
 from training import parallel
+from training import run_spec
 from training import workdirs
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs', 'default.py')
@@ -64,12 +64,9 @@ def load_config() -> ml_collections.ConfigDict:
   """The run's config: --config if given; otherwise the workdir's saved config (with the
   --config.<key> overrides applied), else configs/default.py. Eval, export and predict always
   start from the saved config: the checkpoint's model and data are its."""
-  saved = workdirs.saved_config(FLAGS.workdir) if os.path.isdir(FLAGS.workdir) else None
-  if saved is None or (FLAGS.mode == 'train' and FLAGS['config'].present):
+  config = run_spec.saved_config(FLAGS.workdir) if os.path.isdir(FLAGS.workdir) else None
+  if config is None or (FLAGS.mode == 'train' and FLAGS['config'].present):
     return FLAGS.config
-  # Keys added to the app since the workdir was trained take their defaults.
-  config = default.get_config()
-  config.update(saved)
   for key, value in config_flags.get_override_values(FLAGS['config']).items():
     *parents, name = key.split('.')
     section = config
@@ -89,16 +86,16 @@ def main(argv):
     parallel.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     logging.info('JAX process %d of %d, local devices: %s; malloc tuned for XLA:CPU: %s',
                  jax.process_index(), jax.process_count(), jax.local_devices(), MALLOC_TUNED)
-    config = load_config()
+    run = run_spec.resolve(load_config())
     if FLAGS.mode == 'train':
       with workdirs.hold(FLAGS.workdir):  # One training run per workdir.
-        train.train_and_evaluate(config, FLAGS.workdir)
+        train.train_and_evaluate(run, FLAGS.workdir)
     elif FLAGS.mode == 'eval':  # Eval, export and predict only read the workdir.
-      evaluate.evaluate_checkpoint(config, FLAGS.workdir, FLAGS.checkpoint)
+      evaluate.evaluate_checkpoint(run, FLAGS.workdir, FLAGS.checkpoint)
     elif FLAGS.mode == 'export':
-      export.export_saved_model(config, FLAGS.workdir, FLAGS.checkpoint)
+      export.export_saved_model(run, FLAGS.workdir, FLAGS.checkpoint)
     else:
-      predict.predict(config, FLAGS.workdir, FLAGS.inputs, FLAGS.checkpoint)
+      predict.predict(run, FLAGS.workdir, FLAGS.inputs, FLAGS.checkpoint)
   except errors.UserError as error:
     sys.exit(error.one_line())
   except runtime.Interrupted as error:

@@ -9,19 +9,17 @@ your config file imports) with the decorator. See README.md.
 """
 
 from collections.abc import Callable
+import dataclasses
 import functools
 import math
-from typing import TypeVar
 
 from flax import nnx
 import jax
 import jax.numpy as jnp
-import ml_collections
 
 from core import registry
 import kernels
 
-T = TypeVar('T')
 # (image_shape, num_classes); the modern backbones register from the modules of `backbones/`.
 MODELS = registry.Registry('model', key='model', app_args=2, package='backbones')
 # He et al.'s initialisation for convolutions followed by ReLU.
@@ -146,18 +144,17 @@ class ResNet(nnx.Module):
     return self.linear(x.mean(axis=(1, 2))).astype(jnp.float32)
 
 
-def create_model(config: ml_collections.ConfigDict, image_shape: tuple[int, int, int],
-                 num_classes: int, rngs: nnx.Rngs) -> nnx.Module:
-  """Builds `config.model` with its options for `image_shape`, from the layers that
-  `config.cpu_kernels` selects, computing in `config.compute_dtype` (parameters are float32)."""
-  layers = kernels.select_layers(config.cpu_kernels, compute_dtype=config.compute_dtype)
-  return MODELS.create(config, tuple(image_shape), num_classes, layers=layers, rngs=rngs)
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """The model a run trains: a registered model bound to its options (`MODELS.bind`), built
+  from the layers of `cpu_kernels` computing in `compute_dtype` (see `kernels`)."""
+  name: str
+  factory: Callable[..., nnx.Module]  # (image_shape, num_classes, *, layers, rngs)
+  cpu_kernels: str = 'auto'
+  compute_dtype: str = 'float32'
 
-
-def create_compiled(create: Callable[[], T]) -> T:
-  """Calls `create`, which builds NNX modules, as one XLA program at the lowest optimisation level.
-
-  Run eagerly, XLA compiles every initialiser op on its own at its full optimisation level; as
-  one program, which runs once, it compiles and runs several times faster.
-  """
-  return nnx.jit(create).lower().compile({'xla_backend_optimization_level': 0})()
+  def build(self, image_shape: tuple[int, int, int], num_classes: int,
+            rngs: nnx.Rngs) -> nnx.Module:
+    """The model for `image_shape` and `num_classes`; its parameters are float32."""
+    layers = kernels.select_layers(self.cpu_kernels, compute_dtype=self.compute_dtype)
+    return self.factory(tuple(image_shape), num_classes, layers=layers, rngs=rngs)

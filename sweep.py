@@ -42,7 +42,7 @@ from core import errors
 from sweeps import engine
 from sweeps import runs
 from sweeps import spec
-from training import config_checks
+from training import run_spec
 from training import workdirs
 
 FLAGS = flags.FLAGS
@@ -78,13 +78,13 @@ def run_sweep(config_file: str, overrides: dict[str, str], launcher: runs.Launch
     raise spec.SweepError(f'--search={FLAGS.search} needs --num_trials=N (trials in all).',
                           FLAGS.search)
   space = spec.search_space(config_file, overrides, sweep, grid)
-  maximize = config_checks.check_best_metric(FLAGS.config)
+  best = run_spec.resolve(FLAGS.config).best
   settings = {'config': config_file, 'overrides': ' '.join(spec.args(overrides)),
-              'search': FLAGS.search, 'metric': FLAGS.config.best_metric,
+              'search': FLAGS.search, 'metric': best.name,
               'space': {key: str(values) if isinstance(values, spec.Range) else ','.join(values)
                         for key, values in sweep.items()}}
   with workdirs.hold(FLAGS.workdir):  # One sweep per workdir: another would rerun its trials.
-    study = engine.open_study(FLAGS.workdir, settings, space, maximize, FLAGS.search_seed,
+    study = engine.open_study(FLAGS.workdir, settings, space, best.maximize, FLAGS.search_seed,
                               FLAGS.startup_trials, FLAGS.prune)
     engine.run_trials(study, space, FLAGS.num_trials, FLAGS.parallel, launcher, config_file,
                       spec.args(overrides), FLAGS.workdir)

@@ -134,14 +134,20 @@ def get_config() -> ml_collections.ConfigDict:
   config.evaluators = 'loss|accuracy|confusion_matrix|misclassified(36)'
   # What the test split (scored once, at the end) measures; None = the same as evaluators.
   config.test_evaluators = ml_collections.config_dict.placeholder(str)
+  # More evaluations, by name (the eval and test splits above are 'eval' and 'test'): each
+  # {'split': TFDS split syntax, 'evaluators': (default: config.evaluators), 'preprocess':
+  # (default: config.preprocess; its resize and scaling apply), 'every': 'epoch' (default),
+  # 'end' (once, with the best checkpoint) or a number of steps}. Their scalars are
+  # '<name>/<scalar>', e.g. {'holdout': {'split': 'train[55000:]', 'every': 200}}.
+  config.evaluations = ml_collections.ConfigDict()
   config.eval_batch_size = 1000  # Examples per eval step; the last batch is padded and masked.
   # Before every eval, BatchNorm's statistics are recomputed with the current weights over the
   # epoch's last this many training batches ("precise BN"); 0 = the running averages as
   # trained, which lag the weights (docs/training_options.md).
   config.precise_bn_batches = 20
-  # The eval scalar that picks the best checkpoint (kept besides the newest ones) and drives
-  # early stopping, e.g. 'eval/accuracy' or 'eval/loss' (its direction comes from its
-  # evaluator).
+  # The scalar that picks the best checkpoint (kept besides the newest ones) and drives early
+  # stopping: '<evaluation>/<scalar>' of an evaluation that runs every epoch, e.g.
+  # 'eval/accuracy' or 'eval/loss' (its direction comes from its evaluator).
   config.best_metric = 'eval/accuracy'
   # Epochs without a better best_metric (by more than min_delta) before stopping; 0 = off.
   config.early_stopping_patience = 0

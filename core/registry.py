@@ -9,7 +9,8 @@ joins it with a decorator on its class or factory function:
       def __init__(self, image_shape, num_classes, *, layers, rngs, dropout_rate=0.025): ...
 
 The config names the plug-in (`config.model = 'cnn'`) and holds its options in its own section
-(`config.model_options.cnn.dropout_rate`), passed as keyword arguments. The signature is the
+(`config.model_options.cnn.dropout_rate`), which the run's resolve step (`training/spec.py`)
+gives to `bind`: the plug-in sees only its options, as keyword arguments. The signature is the
 schema: an option the plug-in does not take is refused before anything runs, and the plug-in
 checks its values itself (a `ValueError` it raises becomes a `ConfigError` naming the option).
 Capabilities are declared at registration (`@SOURCES.register('folder', can_stream=True)`) and
@@ -31,8 +32,6 @@ import importlib
 import inspect
 import pkgutil
 from typing import Any
-
-import ml_collections
 
 from core import errors
 
@@ -110,17 +109,25 @@ class Registry:
     entry = self._entries.get(name)
     return default if entry is None else entry.capabilities.get(capability, default)
 
-  def options(self, config: ml_collections.ConfigDict, name: str | None = None) -> dict:
-    """The options of the chosen plug-in (or `name`) from `config.<key>_options.<name>`."""
-    name = name or config[self.key]
-    section = config.get(f'{self.key}_options', {}).get(name)
-    return section.to_dict() if isinstance(section, ml_collections.ConfigDict) else {}
+  def bind(self, name: str, options: dict) -> Callable[..., Any]:
+    """Plug-in `name` with `options` (its config section, `<key>_options.<name>`): a function
+    of the app's arguments that builds it. The option names are checked here, against its
+    signature; a `ValueError` the plug-in raises when built is its verdict on their values: a
+    `ConfigError` naming the section."""
+    section = f'{self.key}_options.{name}'
+    factory = self.entry(name).factory
+    self._check_options(name, options, section)
 
-  def check(self, config: ml_collections.ConfigDict) -> None:
-    """Checks the plug-in that `config` chooses and the names of its options in its section."""
-    name = config[self.key]
-    self.entry(name)
-    self._check_options(name, self.options(config, name), f'{self.key}_options.{name}')
+    def create(*args: Any, **kwargs: Any) -> Any:
+      try:
+        return factory(*args, **kwargs, **options)
+      except ValueError as error:
+        if not options:
+          raise
+        raise errors.ConfigError(f'config.{section} = {options} is invalid for {self.kind} '
+                                 f'{name!r}: {error}.', key=section, value=options) from error
+
+    return create
 
   def _check_options(self, name: str, options: dict, section: str) -> None:
     """Refuses options that `name`'s signature does not take as keywords (its first `app_args`
@@ -141,25 +148,6 @@ class Registry:
         raise errors.ConfigError(
             f'config.{section}.{option} is not an option of {self.kind} {name!r}; its options: '
             f'{", ".join(accepted) or "none"}.', key=f'{section}.{option}', value=options[option])
-
-  def create(self, config: ml_collections.ConfigDict, *args: Any, name: str | None = None,
-             **kwargs: Any) -> Any:
-    """Builds the chosen plug-in (or `name`) with `args`, `kwargs` and its config options.
-
-    A `ValueError` that the plug-in raises while it has options from the config is taken as its
-    verdict on them: a `ConfigError` naming the config section.
-    """
-    name = name or config[self.key]
-    options = self.options(config, name)
-    section = f'{self.key}_options.{name}'
-    self._check_options(name, options, section)
-    try:
-      return self.entry(name).factory(*args, **kwargs, **options)
-    except ValueError as error:
-      if not options:
-        raise
-      raise errors.ConfigError(f'config.{section} = {options} is invalid for {self.kind} '
-                               f'{name!r}: {error}.', key=section, value=options) from error
 
   def create_calls(self, spec: str, key: str, **kwargs: Any) -> list[tuple[str, Entry, Any]]:
     """Builds every call of `spec`, such as 'flip_lr|random_crop(32, pad=4)', with its

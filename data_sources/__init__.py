@@ -2,7 +2,7 @@
 
 `config.data_source` names a source registered in a module of this package with
 `@SOURCES.register(name)`; it is built as `factory(config.dataset, config.data_dir, **options)`
-with its options from `config.data_source_options.<name>`. Its metadata (image shape, class
+with its options from `config.data_source_options.<name>` (`input_pipeline.Input.source`). Its metadata (image shape, class
 names, split sizes) comes first and cheaply, so that config values can be checked against it;
 then `load_split` decodes a split into memory as uint8 images and int32 labels, or, for sources
 registered with `can_stream=True`, `examples` streams it from its files. `input_pipeline` resizes,
@@ -13,16 +13,9 @@ To add a source: a module here with a `base.DataSource` subclass (or a factory r
 `base.RangeSource`), registered with `@SOURCES.register('name')`.
 """
 
-import ml_collections
-
 from core import registry
 from data_sources import base
 
 # Built as factory(config.dataset, config.data_dir, **options).
 SOURCES = registry.Registry('data source', key='data_source', package='data_sources',
                             app_args=2)
-
-
-def open_source(config: ml_collections.ConfigDict) -> base.DataSource:
-  """The data source of `config.dataset`, as `config.data_source` names it."""
-  return SOURCES.create(config, config.dataset, config.data_dir)

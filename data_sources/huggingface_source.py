@@ -16,13 +16,14 @@ def open_huggingface(name: str, data_dir: str | None) -> base.RangeSource:
   `datasets.ClassLabel` feature, whatever the columns are called.
   """
   import datasets  # pylint: disable=g-import-not-at-top  (optional)
+  from datasets import config as library_settings  # pylint: disable=g-import-not-at-top
   try:
-    if os.path.isfile(os.path.join(name, datasets.config.DATASETDICT_JSON_FILENAME)):
+    if os.path.isfile(os.path.join(name, library_settings.DATASETDICT_JSON_FILENAME)):
       dataset_dict = datasets.load_from_disk(name)
     else:
       dataset_dict = datasets.load_dataset(name, cache_dir=data_dir)
   except Exception as error:  # Hub, network and file errors all mean "not found" here.
-    cache_dir = data_dir or datasets.config.HF_DATASETS_CACHE
+    cache_dir = data_dir or library_settings.HF_DATASETS_CACHE
     raise errors.DataError(
         f'Hugging Face dataset {name!r} could not be loaded: looked for a local directory '
         f'{os.path.abspath(name)!r}, the cache dir {str(cache_dir)!r} (config.data_dir) and the '

@@ -6,28 +6,30 @@ builds the model of a checkpoint (`--checkpoint=latest|best|STEP`) exactly as tr
 """
 
 from flax import nnx
-import ml_collections
 
 import input_pipeline
 from data_sources import base
 from training import checkpointing
-from training import config_checks
+from training import run_spec
 from training import state as state_lib
 from training import workdirs
 
 
-def dataset_info(config: ml_collections.ConfigDict, workdir: str) -> base.DatasetInfo:
+def dataset_info(run: run_spec.Run, workdir: str) -> base.DatasetInfo:
   """The data's info saved in `workdir` by training, or (an older workdir) the data's own."""
-  return workdirs.saved_info(workdir) or input_pipeline.open_data(config).info
+  return (workdirs.saved_info(workdir)
+          or input_pipeline.open_data(run.input, run.eval_splits()).info)
 
 
-def load_model(config: ml_collections.ConfigDict, workdir: str, info: base.DatasetInfo,
+def load_model(run: run_spec.Run, workdir: str, info: base.DatasetInfo,
                checkpoint: str = 'latest') -> tuple[nnx.Module, int]:
   """The model of a checkpoint in `workdir`, in eval mode, with the EMA weights when the run
   averaged them; and the checkpoint's step. A `CheckpointError` if there is no such one."""
-  checkpoints = checkpointing.Checkpoints(workdir, config.best_metric,
-                                          config_checks.check_best_metric(config))
-  state = state_lib.create(config, info, steps_per_epoch=1)  # The structure only.
+  checkpoints = checkpointing.Checkpoints(workdir, run.best.name, run.best.maximize)
+  # The structure only: the schedule's values are never used.
+  state = state_lib.create(run.model, info, run.optimization,
+                           run.optimization.learning_rate_schedule(steps_per_epoch=1),
+                           seed=run.seed, ema_decay=run.ema_decay)
   step = checkpoints.restore(state, checkpoint)
   checkpoints.close()
   model = state.eval_model()

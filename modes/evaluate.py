@@ -14,14 +14,12 @@ import re
 
 from clu import metric_writers
 import jax
-import ml_collections
 
 import input_pipeline
 import modes
-from training import config_checks
 from training import evaluation
-from training import evaluators
 from training import parallel
+from training import run_spec
 
 EVAL_DIR = 'eval_only'  # TensorBoard run (a subdirectory of the workdir) of eval-only results.
 _PRINTED_CLASSES = 20
@@ -33,28 +31,30 @@ def report_path(workdir: str, split: str, step: int, extension: str) -> str:
   return os.path.join(workdir, f'eval_{name}_{step}.{extension}')
 
 
-def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
+def evaluate_checkpoint(run: run_spec.Run, workdir: str,
                         checkpoint: str = 'latest') -> dict[str, float]:
-  """Evaluates a checkpoint (--checkpoint) on `config.eval_split`; prints, writes a report."""
-  config_checks.check_config(config)
+  """Evaluates a checkpoint (--checkpoint) with the run's 'eval' evaluation (config.eval_split
+  and config.evaluators); prints, writes a report."""
   mesh = parallel.create_mesh()
   jax.set_mesh(mesh)  # As in training: the model is replicated, eval batches are sharded.
-  info = modes.dataset_info(config, workdir)
-  model, step = modes.load_model(config, workdir, info, checkpoint)
-  data = input_pipeline.open_data(config)
-  print(f'Evaluating the checkpoint at step {step} on {data.info.name} {config.eval_split!r} '
-        f'({data.info.num_eval_examples} examples).', flush=True)
-  result = evaluation.Evaluation('eval', evaluators.of_split(config, 'eval'), info,
-                                 data.info.num_eval_examples).run(
-      model, parallel.eval_batches(data, config.eval_split, data.info.num_eval_examples,
-                                   config, mesh))
+  info = modes.dataset_info(run, workdir)
+  model, step = modes.load_model(run, workdir, info, checkpoint)
+  scored = run.evaluation('eval')
+  data = input_pipeline.open_data(run.input, {'eval': run.eval_splits()['eval']})
+  num_examples = data.eval_sizes[scored.name]
+  print(f'Evaluating the checkpoint at step {step} on {data.info.name} {scored.split!r} '
+        f'({num_examples} examples).', flush=True)
+  batches = input_pipeline.eval_batches(
+      data, run.input, scored.split, num_examples, parallel.round_up(run.eval_batch_size, mesh),
+      scored.preprocess, lambda batch: parallel.shard(batch, mesh))
+  result = scored.run(model, batches, info)
   if jax.process_index() == 0:
     writer = metric_writers.SummaryWriter(os.path.join(workdir, EVAL_DIR))
     writer.write_scalars(step, result.scalars)
     if result.images:
       writer.write_images(step, result.images)
     writer.close()
-    _write_report(workdir, config.eval_split, step, checkpoint, result, info)
+    _write_report(workdir, scored.split, step, checkpoint, result, info)
   return result.scalars
 
 

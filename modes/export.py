@@ -17,24 +17,20 @@ from absl import logging
 from flax import nnx
 import jax
 from jax.experimental import jax2tf
-import ml_collections
 import numpy as np
 import tensorflow as tf
 
 import modes
-import preprocessing
-from training import config_checks
+from training import run_spec
 
 EXPORT_DIR = 'export'
 
 
-def export_saved_model(config: ml_collections.ConfigDict, workdir: str,
-                       checkpoint: str = 'latest') -> str:
+def export_saved_model(run: run_spec.Run, workdir: str, checkpoint: str = 'latest') -> str:
   """Writes a checkpoint's model (--checkpoint) to `<workdir>/export`; returns that path."""
-  config_checks.check_config(config)
-  info = modes.dataset_info(config, workdir)
-  model, step = modes.load_model(config, workdir, info, checkpoint)
-  preprocess = preprocessing.parse(config.preprocess)
+  info = modes.dataset_info(run, workdir)
+  model, step = modes.load_model(run, workdir, info, checkpoint)
+  preprocess = run.input.preprocess
   height, width, channels = info.image_shape
   graphdef, weights, rest = nnx.split(model, (nnx.Param, nnx.BatchStat), ...)
 
@@ -71,6 +67,6 @@ def export_saved_model(config: ml_collections.ConfigDict, workdir: str,
   logging.info('Exported the model of the checkpoint at step %d to %s.', step, path)
   print(f'Exported the model of step {step} as a TF SavedModel to {path}. It takes uint8 '
         f'images (batch, height, width, {channels}), pixels 0-255, of any size, resized to '
-        f'{height}x{width} as in training (config.preprocess={config.preprocess!r}); '
+        f'{height}x{width} as in training (config.preprocess={preprocess.spec!r}); '
         "signatures: serving_default (logits), classify (class names), class_names.")
   return path

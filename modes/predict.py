@@ -20,15 +20,13 @@ import os
 from absl import logging
 from flax import nnx
 import jax
-import ml_collections
 import numpy as np
 import tensorflow as tf
 
 from core import errors
 from data_sources import folder_source
 import modes
-import preprocessing
-from training import config_checks
+from training import run_spec
 
 PREDICTIONS_FILE = 'predictions.csv'
 _PRINTED_ROWS = 10
@@ -49,16 +47,15 @@ def _probabilities(model: nnx.Module, images: jax.Array) -> jax.Array:
   return jax.nn.softmax(model(images).astype(jax.numpy.float32))
 
 
-def predict(config: ml_collections.ConfigDict, workdir: str, inputs: str | None,
+def predict(run: run_spec.Run, workdir: str, inputs: str | None,
             checkpoint: str = 'latest') -> str:
   """Writes the predicted class of each image under `inputs` to <workdir>/predictions.csv."""
   if not inputs:
     raise errors.FlagError(
         '--mode=predict needs --inputs=PATH: an image file, a directory of images (searched '
         'recursively) or a glob pattern such as "photos/*.jpg".', flag='inputs', value=inputs)
-  config_checks.check_config(config)
-  info = modes.dataset_info(config, workdir)
-  model, step = modes.load_model(config, workdir, info, checkpoint)
+  info = modes.dataset_info(run, workdir)
+  model, step = modes.load_model(run, workdir, info, checkpoint)
   headers, skipped = folder_source.read_headers(find_inputs(inputs))
   if not headers:
     found = f' (only {len(skipped)} unreadable files)' if skipped else ''
@@ -75,7 +72,7 @@ def predict(config: ml_collections.ConfigDict, workdir: str, inputs: str | None,
         'images: convert them to grayscale, or use a model trained on colour images.',
         flag='inputs', value=inputs)
   logging.info('Predicting %d images with the checkpoint at step %d.', len(headers), step)
-  preprocess = preprocessing.parse(config.preprocess)
+  preprocess = run.input.preprocess
 
   def prepared(path, orientation, alpha) -> dict[str, tf.Tensor]:
     image = preprocess.resize(folder_source.decode(path, channels, orientation, alpha),
@@ -89,7 +86,7 @@ def predict(config: ml_collections.ConfigDict, workdir: str, inputs: str | None,
       [header.alpha for header in headers]))
              .map(prepared, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
              .ignore_errors()
-             .batch(config.eval_batch_size)
+             .batch(run.eval_batch_size)
              .map(lambda batch: {**batch, 'image': preprocess.eval_batch(batch['image'])})
              .prefetch(1))
   paths, probabilities = [], []

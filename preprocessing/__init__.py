@@ -39,8 +39,9 @@ ScaleOp = Callable[[tf.Tensor], tf.Tensor]  # float32 batch in [0, 1] -> float32
 
 @dataclasses.dataclass(frozen=True)
 class Preprocessing:
-  """A parsed `config.preprocess`: its ops by stage."""
+  """A parsed `config.preprocess` (or the config key `key`): its ops by stage."""
   spec: str
+  key: str = _KEY
   image_ops: tuple[ImageOp, ...] = ()
   random_ops: tuple[RandomOp, ...] = ()
   scale_op: ScaleOp | None = None
@@ -101,37 +102,39 @@ class Preprocessing:
     try:
       augmented = tuple(self.augment(tf.zeros((1, *shape)), tf.constant([0, 0])).shape[1:])
     except ValueError as error:
-      raise errors.ConfigError(f'config.preprocess={self.spec!r} does not fit {shape[0]}x'
-                               f'{shape[1]} images: {error}.', key=_KEY, value=self.spec) from None
+      raise errors.ConfigError(f'config.{self.key}={self.spec!r} does not fit {shape[0]}x'
+                               f'{shape[1]} images: {error}.', key=self.key,
+                               value=self.spec) from None
     scaled = tuple(self.scale(tf.zeros((1, *shape), tf.uint8)).shape[1:])
     if scaled != shape:
       raise errors.ConfigError(
-          f'config.preprocess={self.spec!r} scales {channels}-channel images into {scaled[-1]}'
+          f'config.{self.key}={self.spec!r} scales {channels}-channel images into {scaled[-1]}'
           f'-channel ones: give its normalize or value_range one value per channel.',
-          key=_KEY, value=self.spec)
+          key=self.key, value=self.spec)
     if augmented != shape:
       raise errors.ConfigError(
-          f'config.preprocess={self.spec!r} turns {shape[0]}x{shape[1]} images into '
+          f'config.{self.key}={self.spec!r} turns {shape[0]}x{shape[1]} images into '
           f'{augmented[0]}x{augmented[1]} ones in its random ops, but training and eval images '
           f'must have one size: crop to {shape[0]}, or resize first.',
-          key=_KEY, value=self.spec)
+          key=self.key, value=self.spec)
     return shape
 
 
-def parse(spec: str) -> Preprocessing:
-  """The `Preprocessing` of `spec`; a `ConfigError` naming the op at fault and the valid ones."""
+def parse(spec: str, key: str = _KEY) -> Preprocessing:
+  """The `Preprocessing` of `spec`, the value of config.`key`; a `ConfigError` naming the op at
+  fault and the valid ones."""
   ops = {stage: [] for stage in STAGES}
   last_stage = 0
-  for text, entry, op in OPS.create_calls(spec, _KEY):
+  for text, entry, op in OPS.create_calls(spec, key):
     stage = STAGES.index(entry.capabilities['stage'])
     if stage < last_stage or (stage == last_stage == STAGES.index('scale')):
       raise errors.ConfigError(
-          f'config.preprocess={spec!r} is invalid: {text!r} comes too late (resize ops come '
+          f'config.{key}={spec!r} is invalid: {text!r} comes too late (resize ops come '
           'first, then random ops, then at most one scale op: normalize or value_range).',
-          key=_KEY, value=spec)
+          key=key, value=spec)
     last_stage = stage
     ops[STAGES[stage]].append(op)
-  return Preprocessing(spec, image_ops=tuple(ops['image']), random_ops=tuple(ops['random']),
+  return Preprocessing(spec, key, image_ops=tuple(ops['image']), random_ops=tuple(ops['random']),
                        scale_op=ops['scale'][0] if ops['scale'] else None)
 
 

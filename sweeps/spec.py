@@ -20,7 +20,7 @@ from ml_collections import config_flags
 import optuna
 
 from core import errors
-from training import config_checks
+from training import run_spec
 
 RANGE_KINDS = ('uniform', 'loguniform', 'int', 'choice')
 RANGE_FORMS = 'uniform(a,b), loguniform(a,b), int(a,b) or choice(v1,v2,...)'
@@ -161,10 +161,10 @@ def check_key(config, key: str, values: Values, overrides: dict[str, str]) -> No
 
 def _checked_config(config_file: str, flag_args: tuple[str, ...], point: str, value,
                     key: str | None = None):
-  """The config of `flag_args`, checked by check_config; SweepError naming `point` if it fails."""
+  """The config of `flag_args`, checked by run_spec.resolve; SweepError naming `point` if not."""
   try:
     config = resolve_config(config_file, flag_args)
-    config_checks.check_config(config)
+    run_spec.resolve(config)
   except (flags.Error, errors.ConfigError) as error:
     raise SweepError(f'Sweep of {point}: {error}', value, key) from error
   return config
@@ -175,7 +175,7 @@ def search_space(config_file: str, overrides: dict[str, str], sweep: dict[str, V
   """The Optuna distribution of every swept key, checked before anything runs.
 
   A list of values searches like a choice(); a `grid` takes lists only, and every point of its
-  product is checked. Every bound and choice is checked in a config (check_config); a numeric
+  product is checked. Every bound and choice is checked in a config (run_spec.resolve); a numeric
   range needs a numeric key, and an integer key needs int(a,b).
   """
   if not sweep:

@@ -1,11 +1,11 @@
 """Evaluators: what an evaluation measures, chosen by `config.evaluators`.
 
 `config.evaluators` is a string of evaluators joined by '|', each with optional Python-literal
-arguments, e.g. 'loss|accuracy|top_k(5)|per_class|confusion_matrix|misclassified(36)'. Every
-eval split (the eval split after every epoch, the test split at the end) runs all of them, in
-one pass: on the device, each evaluator folds every batch into a small state of sums (masked
-padding counts nothing; with several devices or processes XLA sums across them), and on the
-host turns the final state into scalars (and, for some, pictures and per-class rows).
+arguments, e.g. 'loss|accuracy|top_k(5)|per_class|confusion_matrix|misclassified(36)'. An
+evaluation (training/evaluation.py) runs all of its evaluators in one pass: on the device, each
+folds every batch into a small state of sums (masked padding counts nothing; with several
+devices or processes XLA sums across them), and on the host turns the final state into scalars
+(and, for some, pictures and per-class rows).
 
 An evaluator is a class registered with `@EVALUATORS.register(name)`, built from its arguments:
 
@@ -61,6 +61,21 @@ class Evaluator:
 
 def _count(batch: Batch) -> jax.Array:
   return batch['mask'].sum(dtype=jnp.int32)
+
+
+class Count(Evaluator):
+  """The examples scored, counted from the masks: `num_examples`. Every evaluation has it
+  (not a choice of config.evaluators): the proof that each example counted once."""
+  name = 'num_examples'
+
+  def init(self, info):
+    return jnp.zeros((), jnp.int32)
+
+  def update(self, state, logits, batch):
+    return state + _count(batch)
+
+  def results(self, state, info):
+    return {self.name: int(state)}
 
 
 @EVALUATORS.register('loss')
@@ -234,13 +249,6 @@ def create(spec: str, key: str = 'evaluators') -> list[Evaluator]:
     raise errors.ConfigError(
         f'config.{key}={spec!r} is invalid: it names one evaluator twice.', key=key, value=spec)
   return evaluators
-
-
-def of_split(config, split: str) -> list[Evaluator]:
-  """The evaluators of split 'eval' (config.evaluators) or 'test' (config.test_evaluators, or
-  the eval split's when that is None)."""
-  key = 'test_evaluators' if split == 'test' and config.get('test_evaluators') else 'evaluators'
-  return create(config[key], key)
 
 
 def directions(evaluators: list[Evaluator]) -> dict[str, bool]:

@@ -2,10 +2,11 @@
 
 After every train step the loop calls each hook's `after_step(loop)` in order; hooks read the
 `Loop` (step, epoch, state) and add to it: the scalars of the step (`loop.metrics`, e.g. the
-eval results at an epoch end, which the checkpoint hook saves with the checkpoint) and a reason
-to stop (`loop.stop`). A hook with state that a resumed run needs (early stopping's best value)
-gives it with `state_dict` and takes it back with `load_state_dict`; it travels in the
-checkpoint's progress item. `every` is the one cadence helper.
+eval results at an epoch end, which are saved with the checkpoint) and a reason to stop
+(`loop.stop`). What a hook offers other hooks it exposes as attributes (`TrainMetrics.epoch`,
+`EarlyStopping.ended_run`). `Hooks` holds them in order with the checkpoints: it saves every
+stateful hook's state (`state_dict`) in the checkpoint's progress item, restores it
+(`load_state_dict`) and says whether a saved run is finished. `every` is the one cadence helper.
 """
 
 import dataclasses
@@ -16,20 +17,20 @@ import time
 from absl import logging
 from clu import metric_writers
 from clu import periodic_actions
-import ml_collections
 import optax
 
 from core import errors
 from core import runtime
+from data_sources import base
 from training import checkpointing
 from training import evaluation
+from training import optimizers
 from training import state as state_lib
 
 
 @dataclasses.dataclass
 class Loop:
   """What the hooks see of the run after a step, and what they tell each other."""
-  config: ml_collections.ConfigDict
   state: state_lib.TrainState
   steps_per_epoch: int
   num_steps: int
@@ -41,6 +42,10 @@ class Loop:
   def epoch(self) -> int:
     """The epochs done (counting the one this step ends)."""
     return self.step // self.steps_per_epoch
+
+  @property
+  def num_epochs(self) -> int:
+    return self.num_steps // self.steps_per_epoch
 
   @property
   def end_of_epoch(self) -> bool:
@@ -59,6 +64,7 @@ def every(step: int, period: int) -> bool:
 class Hook:
   """A hook that does nothing; subclasses override what they need."""
   name = ''  # Key of its state in the checkpoint's progress item (stateful hooks only).
+  ended_run = False  # Whether it ended the run before its last step, for good (not a signal).
 
   def on_start(self, loop: Loop) -> None:
     """Called once before the first step (after a resume restored the hooks' state)."""
@@ -106,7 +112,7 @@ class Progress(Hook):
     rate = (loop.step - self._first[1]) / max(now - self._first[0], 1e-9)
     logging.info('step %d/%d (%.1f%%, epoch %d/%d): %.1f steps/s, ETA %s', loop.step,
                  loop.num_steps, 100 * loop.step / loop.num_steps,
-                 min(loop.epoch + 1, loop.config.num_epochs), loop.config.num_epochs, rate,
+                 min(loop.epoch + 1, loop.num_epochs), loop.num_epochs, rate,
                  duration((loop.num_steps - loop.step) / max(rate, 1e-9)))
 
 
@@ -174,14 +180,16 @@ class NonFiniteGuard(Hook):
 
 class TrainMetrics(Hook):
   """Writes the train loss and accuracy since the last write, and the learning rate, every
-  `every_steps` and at epoch ends; at an epoch end, also the epoch's means and its training
-  speed (examples/s, evals excluded) into `loop.metrics`."""
+  `every_steps` and at epoch ends; at an epoch end, also the epoch's means (`epoch`, and into
+  `loop.metrics`) and its training speed (examples/s, evals excluded)."""
 
-  def __init__(self, writer: metric_writers.MetricWriter, schedule: optax.Schedule,
+  def __init__(self, writer: metric_writers.MetricWriter,
+               optimization: optimizers.Optimization, schedule: optax.Schedule,
                every_steps: int, batch_size: int):
-    self._writer, self._schedule = writer, schedule
+    self._writer, self._optimization, self._schedule = writer, optimization, schedule
     self._every, self._batch_size = every_steps, batch_size
     self._epoch_start = None  # (time, step) at the first step of the epoch.
+    self.epoch: dict[str, float] = {}  # The last epoch's means: {'train/loss_epoch': ...}.
 
   def after_step(self, loop):
     if self._epoch_start is None or loop.step % loop.steps_per_epoch == 1:
@@ -189,15 +197,15 @@ class TrainMetrics(Hook):
     if not (every(loop.step, self._every) or loop.end_of_epoch):
       return
     scalars = {**loop.state.window.results(),  # The only host sync of the loop.
-               'learning_rate': state_lib.learning_rate(loop.config, self._schedule, loop.step)}
+               'learning_rate': self._optimization.learning_rate_at(self._schedule, loop.step)}
     loop.state.window.reset()
     if loop.end_of_epoch:
       seconds = time.time() - self._epoch_start[0]
       steps = loop.step - self._epoch_start[1]
       scalars.update({'train/examples_per_sec': steps * self._batch_size / max(seconds, 1e-9),
                       'epoch': loop.epoch})
-      loop.metrics.update({f'{name}_epoch': value
-                           for name, value in loop.state.epoch.results().items()})
+      self.epoch = {f'{name}_epoch': value for name, value in loop.state.epoch.results().items()}
+      loop.metrics.update(self.epoch)
       loop.state.epoch.reset()
     self._writer.write_scalars(loop.step, scalars)
 
@@ -220,37 +228,41 @@ class PreciseBatchNorm(Hook):
 
 
 class Evaluate(Hook):
-  """Evaluates the eval split at every epoch end: its scalars into `loop.metrics` and the
-  writer, its pictures to TensorBoard, and the epoch's line in the log."""
+  """Runs one evaluation at its cadence (every epoch end, or every N steps): its scalars into
+  `loop.metrics` and the writer, its pictures to TensorBoard, and a line in the log (at epoch
+  ends with the epoch's train metrics, when given `train_metrics`)."""
 
   # An eval that took longer than this is announced before it runs: nothing stays silent long.
   ANNOUNCE_SECONDS = 5.0
 
-  def __init__(self, split: evaluation.Evaluation, batches,
-               writer: metric_writers.MetricWriter):
-    self._evaluation, self._batches, self._writer = split, batches, writer
-    self._epoch_start = time.time()
+  def __init__(self, evaluation_: evaluation.Evaluation, batches, info: base.DatasetInfo,
+               writer: metric_writers.MetricWriter, train_metrics: TrainMetrics | None = None):
+    self._evaluation, self._batches, self._info = evaluation_, batches, info
+    self._writer, self._train_metrics = writer, train_metrics
+    self._since = time.time()  # The last line's time.
     self._last_seconds = None  # How long the last eval took.
 
   def after_step(self, loop):
-    if not loop.end_of_epoch:
+    if not self._evaluation.due(loop.step, loop.end_of_epoch):
       return
     if self._last_seconds is None or self._last_seconds > self.ANNOUNCE_SECONDS:
-      logging.info('Evaluating epoch %d on the eval split.', loop.epoch)
+      logging.info('Evaluating %s on %r at step %d.', self._evaluation.name,
+                   self._evaluation.split, loop.step)
     start = time.time()
-    result = self._evaluation.run(loop.state.eval_model(), self._batches)
+    result = self._evaluation.run(loop.state.eval_model(), self._batches, self._info)
     self._last_seconds = time.time() - start
     loop.metrics.update(result.scalars)
     self._writer.write_scalars(loop.step, result.scalars)
     if result.images:
       self._writer.write_images(loop.step, result.images)
     self._writer.flush()  # Read by sweep.py's pruner while the run goes on.
-    logging.info('epoch %d/%d: %s (%d examples) in %.1fs', loop.epoch, loop.config.num_epochs,
-                 ' '.join(f'{name}={loop.metrics[name]:.4f}'
-                          for name in ('train/loss_epoch', 'train/accuracy_epoch', *result.scalars)
-                          if name in loop.metrics),
-                 result.num_examples, time.time() - self._epoch_start)
-    self._epoch_start = time.time()
+    shown = {**(self._train_metrics.epoch if self._train_metrics else {}), **result.scalars}
+    where = (f'epoch {loop.epoch}/{loop.num_epochs}' if loop.end_of_epoch else
+             f'step {loop.step} (epoch {loop.epoch + 1}/{loop.num_epochs})')
+    logging.info('%s: %s (%d examples) in %.1fs', where, ' '.join(
+        f'{name}={value:.4f}' for name, value in shown.items()
+        if not name.endswith('/num_examples')), result.num_examples, time.time() - self._since)
+    self._since = time.time()
 
 
 class EarlyStopping(Hook):
@@ -266,10 +278,9 @@ class EarlyStopping(Hook):
     self._metric, self._sign = metric, 1 if maximize else -1
     self._patience, self._min_delta = patience, min_delta
     self._best, self._best_epoch = None, 0
-    self._stopped = False
 
   def state_dict(self):
-    return {'best': self._best, 'best_epoch': self._best_epoch, 'stopped': self._stopped}
+    return {'best': self._best, 'best_epoch': self._best_epoch}
 
   def load_state_dict(self, saved):
     self._best, self._best_epoch = saved['best'], saved['best_epoch']
@@ -288,7 +299,7 @@ class EarlyStopping(Hook):
   def _check(self, loop: Loop) -> None:
     waited = loop.epoch - self._best_epoch
     if self._best is not None and waited >= self._patience and not loop.last_step:
-      self._stopped = True
+      self.ended_run = True
       loop.stop = (f'early stopping: {self._metric} has not improved by more than '
                    f'{self._min_delta} for {waited} epochs (best {self._best:.4f} at epoch '
                    f'{self._best_epoch}; config.early_stopping_patience={self._patience})')
@@ -306,41 +317,71 @@ class StopOnSignal(Hook):
       loop.stop = f'received {signal.Signals(self._signals.received).name}'
 
 
-class Checkpointing(Hook):
-  """Saves every `every_steps`, at every epoch end (with its eval metrics, by which the best
+class Checkpointing:
+  """Saves every `every_steps`, at every epoch end (with the step's metrics, by which the best
   is kept), at the last step and when the run stops early; never a non-finite state."""
 
   def __init__(self, checkpoints: checkpointing.Checkpoints, every_steps: int,
-               hooks: list[Hook], guard: NonFiniteGuard | None):
-    self._checkpoints, self._every = checkpoints, every_steps
-    self._hooks, self._guard = hooks, guard
+               guard: NonFiniteGuard | None):
+    self._checkpoints, self._every, self._guard = checkpoints, every_steps, guard
 
-  def after_step(self, loop):
+  def after_step(self, loop: Loop, hooks: 'Hooks') -> None:
     if not (every(loop.step, self._every) or loop.end_of_epoch or loop.last_step or loop.stop):
       return
     if self._guard:
       self._guard.check_state(loop)
     epoch, step_in_epoch = divmod(loop.step, loop.steps_per_epoch)
     progress = {'epoch': epoch, 'step_in_epoch': step_in_epoch,
-                'steps_per_epoch': loop.steps_per_epoch,
-                'hooks': {hook.name: hook.state_dict() for hook in self._hooks if hook.name}}
-    metrics = ({name: value for name, value in loop.metrics.items() if name.startswith('eval/')}
-               if loop.end_of_epoch else None)
-    self._checkpoints.save(loop.step, loop.state, progress, metrics)
+                'steps_per_epoch': loop.steps_per_epoch, 'stopped_early': hooks.ended_run,
+                'hooks': hooks.state_dict()}
+    self._checkpoints.save(loop.step, loop.state, progress,
+                           dict(loop.metrics) if loop.end_of_epoch else None)
 
 
-def run(loop: Loop, hooks: list[Hook], batches, train_step, place) -> None:
+class Hooks:
+  """The loop's hooks, in the order they run after each step, then the checkpoint save that
+  holds their state: saves and restores every stateful hook, and says whether a run is done."""
+
+  def __init__(self, hooks: list[Hook], checkpointing_: Checkpointing):
+    self._hooks, self._checkpointing = hooks, checkpointing_
+
+  @property
+  def ended_run(self) -> bool:
+    """Whether a hook ended the run for good before its last step (early stopping)."""
+    return any(hook.ended_run for hook in self._hooks)
+
+  def state_dict(self) -> dict:
+    return {hook.name: hook.state_dict() for hook in self._hooks if hook.name}
+
+  def load_state_dict(self, saved: dict) -> None:
+    for hook in self._hooks:
+      if hook.name in saved:
+        hook.load_state_dict(saved[hook.name])
+
+  @staticmethod
+  def finished(progress: dict, num_epochs: int) -> bool:
+    """Whether the run whose newest checkpoint saved `progress` has nothing left to train."""
+    return progress['epoch'] >= num_epochs or progress.get('stopped_early', False)
+
+  def on_start(self, loop: Loop) -> None:
+    for hook in self._hooks:
+      hook.on_start(loop)
+
+  def after_step(self, loop: Loop) -> None:
+    for hook in self._hooks:
+      hook.after_step(loop)
+    self._checkpointing.after_step(loop, self)
+
+
+def run(loop: Loop, hooks: Hooks, batches, train_step, place) -> None:
   """Trains on `batches` from `loop.step` until they end or a hook stops the run."""
-  for hook in hooks:
-    hook.on_start(loop)
+  hooks.on_start(loop)
   if loop.stop:
     return
   for batch in batches:
     train_step(loop.state, place(batch))
     loop.step += 1
     loop.metrics = {}
-    for hook in hooks:
-      hook.after_step(loop)
+    hooks.after_step(loop)
     if loop.stop:
       return
-

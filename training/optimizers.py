@@ -9,18 +9,18 @@ factory that takes the peak learning rate, the number of optimizer updates it sp
 options (`config.schedule_options.<name>`). Any schedule can start with a linear warm-up of
 `config.warmup_epochs`.
 
-Around the optimizer, from the config: gradient clipping (`grad_clip_norm`), frozen parameters
-and learning-rate multipliers by parameter path (`freeze`, `lr_multipliers`, through
-`optax.multi_transform`), skipping non-finite updates (`nonfinite='skip'`) and gradient
-accumulation (`grad_accum_steps`).
+Around the optimizer (`Optimization`, resolved from the config by `training/spec.py`):
+gradient clipping (`grad_clip_norm`), frozen parameters and learning-rate multipliers by
+parameter path (`freeze`, `lr_multipliers`, through `optax.multi_transform`), skipping
+non-finite updates (`nonfinite='skip'`) and gradient accumulation (`grad_accum_steps`).
 """
 
 from collections.abc import Callable
+import dataclasses
 import inspect
 import re
 
 import jax
-import ml_collections
 import optax
 
 from core import registry
@@ -118,70 +118,73 @@ def step(learning_rate: float, num_updates: int, *, boundaries: tuple[float, ...
       learning_rate, {int(boundary * num_updates): factor for boundary in boundaries})
 
 
-def updates_per_epoch(config: ml_collections.ConfigDict, steps_per_epoch: int) -> float:
-  """Optimizer updates per epoch: one every `config.grad_accum_steps` training steps."""
-  return steps_per_epoch / config.grad_accum_steps
-
-
-def create_learning_rate_schedule(config: ml_collections.ConfigDict,
-                                  steps_per_epoch: int) -> optax.Schedule:
-  """`config.schedule` over the whole run, after `config.warmup_epochs` of linear warm-up
-  from 0, by optimizer update."""
-  per_epoch = updates_per_epoch(config, steps_per_epoch)
-  num_updates = int(config.num_epochs * per_epoch)
-  warmup_updates = int(config.warmup_epochs * per_epoch)
-  schedule = SCHEDULES.create(config, config.learning_rate, num_updates - warmup_updates)
-  if not warmup_updates:
-    return schedule
-  return optax.join_schedules(
-      [optax.linear_schedule(0.0, config.learning_rate, warmup_updates), schedule],
-      [warmup_updates])
-
-
 def path_name(path) -> str:
-  """'linear2.kernel' for the path of a parameter in an `nnx.State`."""
-  names = [str(getattr(key, 'key', getattr(key, 'name', key))) for key in path]
-  return '.'.join(names[:-1] if names[-1:] == ['value'] else names)
+  """'linear2.kernel' for the path of a parameter in an `nnx.State` (its `.value` dropped)."""
+  return jax.tree_util.keystr(path, simple=True, separator='.').removesuffix('.value')
 
 
-def frozen(config: ml_collections.ConfigDict, name: str) -> bool:
-  """Whether the parameter or module at path `name` matches a `config.freeze` pattern."""
-  return any(re.search(pattern, name) for pattern in config.freeze)
+@dataclasses.dataclass(frozen=True)
+class Optimization:
+  """How a run updates its parameters: the optimizer and the learning-rate schedule (each a
+  registered plug-in bound to its options), and what the run adds around them."""
+  optimizer: Callable[[optax.Schedule], optax.GradientTransformation]
+  schedule: Callable[[float, int], optax.Schedule]  # (peak rate, updates it spans)
+  learning_rate: float  # The peak.
+  warmup_epochs: float = 0.0  # Linear warm-up from 0 before the schedule.
+  num_epochs: int = 1
+  grad_accum_steps: int = 1  # Steps whose mean gradient makes one update (optax.MultiSteps).
+  grad_clip_norm: float = 0.0  # Global-norm clipping; 0 = off.
+  freeze: tuple[str, ...] = ()  # Path patterns of parameters not trained.
+  lr_multipliers: tuple[tuple[str, float], ...] = ()  # (path pattern, factor) pairs.
+  nonfinite: str = 'halt'  # 'skip': updates with NaN/Inf gradients are skipped.
 
+  def learning_rate_schedule(self, steps_per_epoch: int) -> optax.Schedule:
+    """The schedule over the whole run, after `warmup_epochs` of linear warm-up from 0, by
+    optimizer update (one every `grad_accum_steps` training steps)."""
+    per_epoch = steps_per_epoch / self.grad_accum_steps
+    num_updates = int(self.num_epochs * per_epoch)
+    warmup_updates = int(self.warmup_epochs * per_epoch)
+    schedule = self.schedule(self.learning_rate, num_updates - warmup_updates)
+    if not warmup_updates:
+      return schedule
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, self.learning_rate, warmup_updates), schedule],
+        [warmup_updates])
 
-def parameter_groups(config: ml_collections.ConfigDict) -> Callable:
-  """A function of the parameters giving each its group: 'frozen' (a path matching a
-  `config.freeze` pattern), 'x<multiplier>' (matching an `config.lr_multipliers` pattern) or
-  'default'. Paths are dotted, such as 'linear2.kernel'; patterns are regular expressions
-  searched in them ('conv1' matches 'conv1.kernel' and 'conv1.bias')."""
-  multipliers = dict(config.lr_multipliers)
+  def learning_rate_at(self, schedule: optax.Schedule, step: int) -> float:
+    """The learning rate of training step `step` (1-based)."""
+    return float(schedule((step - 1) // self.grad_accum_steps))
 
-  def group(path) -> str:
+  def frozen(self, name: str) -> bool:
+    """Whether the parameter or module at path `name` matches a `freeze` pattern."""
+    return any(re.search(pattern, name) for pattern in self.freeze)
+
+  def _group(self, path) -> str:
+    """'frozen', 'x<multiplier>' (the first matching `lr_multipliers` pattern) or 'default'.
+    Paths are dotted, such as 'linear2.kernel'; patterns are regular expressions searched in
+    them ('conv1' matches 'conv1.kernel' and 'conv1.bias')."""
     name = path_name(path)
-    if frozen(config, name):
+    if self.frozen(name):
       return 'frozen'
-    for pattern, multiplier in multipliers.items():
+    for pattern, multiplier in self.lr_multipliers:
       if re.search(pattern, name):
         return f'x{multiplier}'
     return 'default'
 
-  return lambda params: jax.tree_util.tree_map_with_path(lambda path, _: group(path), params)
-
-
-def create_optimizer(config: ml_collections.ConfigDict,
-                     schedule: optax.Schedule) -> optax.GradientTransformation:
-  """`config.optimizer` driven by `schedule`, with what the config adds around it (see the
-  module docstring)."""
-  optimizer = OPTIMIZERS.create(config, schedule)
-  if config.freeze or config.lr_multipliers:
-    transforms = {'default': optimizer, 'frozen': optax.set_to_zero()}
-    transforms.update({f'x{multiplier}': optax.chain(optimizer, optax.scale(multiplier))
-                       for multiplier in dict(config.lr_multipliers).values()})
-    optimizer = optax.multi_transform(transforms, parameter_groups(config))
-  if config.grad_clip_norm:
-    optimizer = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), optimizer)
-  if config.nonfinite == 'skip':
-    optimizer = optax.apply_if_finite(optimizer, MAX_SKIPPED_UPDATES)
-  if config.grad_accum_steps > 1:
-    optimizer = optax.MultiSteps(optimizer, every_k_schedule=config.grad_accum_steps)
-  return optimizer
+  def transform(self, schedule: optax.Schedule) -> optax.GradientTransformation:
+    """The optimizer driven by `schedule`, with what the run adds around it (see the module
+    docstring)."""
+    optimizer = self.optimizer(schedule)
+    if self.freeze or self.lr_multipliers:
+      transforms = {'default': optimizer, 'frozen': optax.set_to_zero()}
+      transforms.update({f'x{multiplier}': optax.chain(optimizer, optax.scale(multiplier))
+                         for _, multiplier in self.lr_multipliers})
+      optimizer = optax.multi_transform(transforms, lambda params: (
+          jax.tree_util.tree_map_with_path(lambda path, _: self._group(path), params)))
+    if self.grad_clip_norm:
+      optimizer = optax.chain(optax.clip_by_global_norm(self.grad_clip_norm), optimizer)
+    if self.nonfinite == 'skip':
+      optimizer = optax.apply_if_finite(optimizer, MAX_SKIPPED_UPDATES)
+    if self.grad_accum_steps > 1:
+      optimizer = optax.MultiSteps(optimizer, every_k_schedule=self.grad_accum_steps)
+    return optimizer

@@ -7,7 +7,7 @@ statistics, metric sums), so the model and step code are unchanged and N devices
 device computes on the same global batch.
 
 With several processes (one per host), each reads only its own slice of every split
-(`tfds.split_for_jax_process`) and feeds its share of each global batch
+(`input_pipeline.process_split`) and feeds its share of each global batch
 (`jax.make_array_from_process_local_data`). Every process must run the same number of steps, or
 the collectives hang:
   * train: the split is cut into equal per-process slices, dropping the at most
@@ -22,12 +22,9 @@ import jax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-import ml_collections
 import numpy as np
-import tensorflow_datasets as tfds
 
 from core import errors
-import input_pipeline
 
 
 def initialize(coordinator_address: str | None, num_processes: int | None,
@@ -66,7 +63,7 @@ def create_mesh() -> jax.sharding.Mesh:
                        axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def shard(batch: input_pipeline.Batch, mesh: jax.sharding.Mesh):
+def shard(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh):
   """Global arrays from this process's share of a batch, split along its first axis."""
   return jax.make_array_from_process_local_data(_batch_sharding(mesh), batch)
 
@@ -94,45 +91,11 @@ def sum_over_processes(array: np.ndarray) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(array)).sum(axis=0)
 
 
-def process_split(split: str, drop_remainder: bool = False) -> tfds.typing.SplitArg:
-  """This process's slice of `split`; the split itself in a single-process run.
-
-  With `drop_remainder`, all slices have the same size (the remainder is dropped). Slices are
-  TFDS read instructions, which every data source resolves (TFDS's own, and the sources built
-  on `base.RangeSource`: image folders, Hugging Face, torchvision).
-  """
-  if jax.process_count() == 1:
-    return split
-  return tfds.split_for_jax_process(split, drop_remainder=drop_remainder)
-
-
 def local_batch_size(global_batch_size: int) -> int:
   """This process's share of each global batch."""
   return global_batch_size // jax.process_count()
 
 
-def eval_batch_size(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> int:
-  """`config.eval_batch_size` rounded up to a multiple of the device count."""
-  return -(-config.eval_batch_size // mesh.size) * mesh.size
-
-
-def eval_batches(data: input_pipeline.Data, split: str, num_examples: int,
-                 config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
-                 ) -> list[input_pipeline.Batch] | input_pipeline.StreamedBatches:
-  """The whole eval or test `split` as sharded, masked batches; each example counts once.
-
-  Each process loads its slice (sizes differ by at most one) and pads it to as many batches as
-  the largest slice needs, so all processes run the same number of eval steps. An in-memory
-  split's batches stay on the devices for the whole run (MNIST-scale eval splits), sparing a
-  transfer per epoch; a streamed split is read and sharded again on every pass.
-  """
-  global_batch = eval_batch_size(config, mesh)
-  if global_batch != config.eval_batch_size:
-    logging.info('Eval batch size %d rounded up to %d, a multiple of the %d devices.',
-                 config.eval_batch_size, global_batch, mesh.size)
-  local_batch = local_batch_size(global_batch)
-  largest_slice = -(-num_examples // jax.process_count())
-  num_batches = -(-largest_slice // local_batch)
-  return input_pipeline.eval_batches(
-      input_pipeline.open_split(data, process_split(split), config), data.preprocess,
-      local_batch, num_batches, place=lambda batch: shard(batch, mesh))
+def round_up(size: int, mesh: jax.sharding.Mesh) -> int:
+  """`size` rounded up to a multiple of the mesh's device count (a batch splits evenly)."""
+  return -(-size // mesh.size) * mesh.size

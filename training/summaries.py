@@ -13,7 +13,6 @@ import os
 from clu import metric_writers
 from clu import parameter_overview
 import jax
-import ml_collections
 import tensorflow as tf
 from tensorboard.plugins.hparams import api as hp
 
@@ -84,14 +83,15 @@ def read_metrics(workdir: str) -> dict[int, dict[str, float]]:
   return by_step
 
 
-def write_config(writer: metric_writers.MetricWriter, workdir: str,
-                 config: ml_collections.ConfigDict, metrics: list[str]) -> None:
-  """Writes the resolved config as HParams (with these metric columns) and as a text summary."""
+def write_config(writer: metric_writers.MetricWriter, workdir: str, settings: dict,
+                 metrics: list[str]) -> None:
+  """Writes the run's config (`settings`, as JSON values) as HParams (with these metric
+  columns) and as a text summary."""
   # TensorBoard hparams are bool/int/float/str: tuples are shown as their text, and an unset
   # placeholder (None) has no value to show.
   hparams = {key: str(value) if isinstance(value, (tuple, list)) else value
              for key, value in parameter_overview.flatten_dict(
-                 config.to_dict(), delimiter='.').items() if value is not None}
+                 settings, delimiter='.').items() if value is not None}
   if jax.process_index() == 0:
     hparams_writer = tf.summary.create_file_writer(workdir)
     with hparams_writer.as_default():
@@ -100,4 +100,5 @@ def write_config(writer: metric_writers.MetricWriter, workdir: str,
       hp.hparams(hparams)
     hparams_writer.close()
   # Indented: markdown renders it as a code block, one `key: value` per line.
-  writer.write_texts(0, {'config': '    ' + str(config).replace('\n', '\n    ')})
+  text = json.dumps(settings, indent=2, sort_keys=True)
+  writer.write_texts(0, {'config': '    ' + text.replace('\n', '\n    ')})

@@ -16,6 +16,7 @@ import socket
 import tempfile
 
 from absl import logging
+from clu import parameter_overview
 import jax
 import ml_collections
 
@@ -99,22 +100,6 @@ def _holder(lock) -> str:
   return f'pid {holder["pid"]} on host {holder["host"]}, started {holder["started"]}'
 
 
-def _flat(tree: dict, prefix: str = '') -> dict:
-  """{'model_options.cnn.dropout_rate': 0.025, ...}."""
-  flat = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      flat.update(_flat(value, f'{prefix}{key}.'))
-    else:
-      flat[f'{prefix}{key}'] = value
-  return flat
-
-
-def _as_json(config: ml_collections.ConfigDict) -> dict:
-  """`config` as JSON stores it (tuples as lists)."""
-  return json.loads(config.to_json_best_effort())
-
-
 def _write_json(path: str, value) -> None:
   """Writes `value` to `path` atomically: a reader sees the old or the new file."""
   with open(path + '.tmp', 'w', encoding='utf-8') as file:
@@ -131,19 +116,24 @@ def saved_config(workdir: str) -> ml_collections.ConfigDict | None:
     return ml_collections.ConfigDict(json.load(file))
 
 
-def check_resume_config(config: ml_collections.ConfigDict, workdir: str,
-                        has_checkpoint: bool) -> None:
-  """Compares `config` with the config the workdir's checkpoints were trained with.
+def _flat(settings: dict) -> dict:
+  """{'model_options.cnn.dropout_rate': 0.025, ...}; tuples as JSON stores them (lists)."""
+  return parameter_overview.flatten_dict(json.loads(json.dumps(settings)), delimiter='.')
+
+
+def check_resume_config(settings: dict, workdir: str, has_checkpoint: bool) -> None:
+  """Compares the run's `settings` (its config as JSON values) with the config the workdir's
+  checkpoints were trained with.
 
   Refuses a change of a `FIXED_ON_RESUME` key, warns about any other change (old -> new), and
-  saves `config` as the workdir's config; the config it replaces is kept as config.<time>.json.
-  Without a checkpoint there is nothing to resume, so any config starts afresh.
+  saves `settings` as the workdir's config; the config it replaces is kept as
+  config.<time>.json. Without a checkpoint there is nothing to resume, so any config starts
+  afresh.
   """
   path = os.path.join(workdir, CONFIG_FILE)
-  new = _as_json(config)
   old_config = saved_config(workdir) if has_checkpoint else None
   if old_config is not None:
-    old, flat_new = _flat(_as_json(old_config)), _flat(new)
+    old, flat_new = _flat(old_config.to_dict()), _flat(settings)
     changed = sorted(key for key in old.keys() | flat_new.keys()
                      if old.get(key) != flat_new.get(key))
     if fixed := [key for key in changed if key.split('.')[0] in FIXED_ON_RESUME]:
@@ -160,7 +150,7 @@ def check_resume_config(config: ml_collections.ConfigDict, workdir: str,
       stamp = datetime.datetime.now().strftime('%Y%m%dT%H%M%S')
       os.replace(path, os.path.join(workdir, f'config.{stamp}.json'))
   if jax.process_index() == 0:
-    _write_json(path, new)
+    _write_json(path, settings)
 
 
 def _listed(keys: list[str], old: dict, new: dict) -> str:

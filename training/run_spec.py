@@ -1,0 +1,332 @@
+"""The run: a config read once into a typed, frozen description, checked as it is built.
+
+`resolve(config)` is the one place that reads a config's values: every value that can be judged
+without the data is checked here, before any data is decoded or any code compiled, and each
+plug-in (data source, model, loss, optimizer, schedule, preprocessing ops, evaluators) is bound
+to its own options only (`Registry.bind`), so that no plug-in sees the config. `train.py`, the
+modes and the sweep take the `Run`; what depends on the data (the batch size against the
+training split) is checked by `Run.check_against_data` once the data's metadata is known.
+
+Evaluations: the eval split ('eval', `config.eval_split` with `config.evaluators`, every
+epoch), the test split ('test', `config.test_split` with `config.test_evaluators`, once at the
+end with the best checkpoint) and those of `config.evaluations`, each
+`{'split': ..., 'evaluators': ..., 'preprocess': ..., 'every': 'epoch' | 'end' | N steps}`.
+"""
+
+from collections.abc import Callable
+import dataclasses
+import json
+import re
+
+import ml_collections
+import optax
+
+from configs import default
+from core import errors
+import data_sources
+import input_pipeline
+import kernels
+import models
+import preprocessing
+from training import evaluation
+from training import evaluators
+from training import losses
+from training import optimizers
+from training import workdirs
+
+# Keys whose value is an integer >= 1, and >= 0.
+_COUNTS = ('batch_size', 'eval_batch_size', 'num_epochs', 'log_every_steps',
+           'shuffle_buffer_size', 'checkpoint_every_steps', 'max_checkpoints_to_keep',
+           'grad_accum_steps')
+_NON_NEGATIVE = ('early_stopping_patience', 'profile_steps', 'precise_bn_batches')
+_CHOICES = {'in_memory': input_pipeline.IN_MEMORY, 'input_backend': input_pipeline.INPUT_BACKENDS,
+            'nonfinite': optimizers.NONFINITE}
+_EVALUATION_KEYS = ('split', 'evaluators', 'preprocess', 'every')
+_EVALUATION_NAME = re.compile(r'[A-Za-z_][A-Za-z0-9_]*')
+
+
+@dataclasses.dataclass(frozen=True)
+class BestMetric:
+  """The scalar that picks the best checkpoint and drives early stopping: '<evaluation>/<name>'
+  of an evaluation that runs every epoch, higher better when `maximize`."""
+  name: str
+  maximize: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """Everything a run needs, typed and checked; built by `resolve`."""
+  settings: dict  # The config as JSON values: saved in the workdir, shown as HParams.
+  input: input_pipeline.Input
+  model: models.ModelSpec
+  loss: Callable[..., losses.Loss]  # (num_classes, class_counts) -> loss.
+  optimization: optimizers.Optimization
+  evaluations: tuple[evaluation.Evaluation, ...]
+  best: BestMetric
+  batch_size: int
+  num_epochs: int
+  seed: int
+  ema_decay: float
+  nonfinite: str
+  eval_batch_size: int
+  precise_bn_batches: int
+  log_every_steps: int
+  checkpoint_every_steps: int
+  max_checkpoints_to_keep: int
+  profile_steps: int
+  early_stopping_patience: int
+  early_stopping_min_delta: float
+  init_from: str | None
+  init_exclude: tuple[str, ...]
+
+  def evaluation(self, name: str) -> evaluation.Evaluation:
+    """The evaluation called `name`; a `ConfigError` listing them if there is none."""
+    for candidate in self.evaluations:
+      if candidate.name == name:
+        return candidate
+    raise errors.ConfigError(
+        f'This run has no evaluation {name!r}: its evaluations are '
+        f'{[candidate.name for candidate in self.evaluations]}.', key='evaluations', value=name)
+
+  def eval_splits(self) -> dict[str, tuple[str, str]]:
+    """{evaluation name: (the config key of its split, the split)}, for the data to check."""
+    keys = {'eval': 'eval_split', 'test': 'test_split'}
+    return {candidate.name: (keys.get(candidate.name, f'evaluations.{candidate.name}.split'),
+                             candidate.split) for candidate in self.evaluations}
+
+  def hparam_metrics(self) -> list[str]:
+    """The metric columns of TensorBoard's HParams dashboard: every evaluation's scalars."""
+    return [f'{candidate.name}/{name}' for candidate in self.evaluations
+            for name in candidate.directions]
+
+  def check_against_data(self, data: input_pipeline.Data, num_devices: int) -> None:
+    """Checks the values that depend on the data (the training split's size, the images each
+    evaluation's preprocessing makes) and on the device count."""
+    num_train_examples = data.info.num_train_examples
+    _require(self.batch_size <= num_train_examples, 'batch_size', self.batch_size,
+             f'config.batch_size={self.batch_size} is larger than the {num_train_examples} '
+             f'examples of split {self.input.train_split!r}: use a batch size in '
+             f'[1, {num_train_examples}].')
+    steps_per_epoch = num_train_examples // self.batch_size
+    accumulated = self.optimization.grad_accum_steps
+    _require(accumulated <= steps_per_epoch, 'grad_accum_steps', accumulated,
+             f'config.grad_accum_steps={accumulated} is more than the {steps_per_epoch} steps '
+             f'of an epoch (batch_size={self.batch_size}): use at most {steps_per_epoch}.')
+    _require(self.batch_size % num_devices == 0, 'batch_size', self.batch_size,
+             f'config.batch_size={self.batch_size} does not divide by the {num_devices} devices '
+             f'(jax.device_count()): use a multiple of {num_devices}, such as '
+             f'{-(-self.batch_size // num_devices) * num_devices}.')
+    for candidate in self.evaluations:
+      shape = candidate.preprocess.image_shape(data.source.image_shape, data.source.name)
+      _require(shape == data.info.image_shape, f'evaluations.{candidate.name}.preprocess',
+               candidate.preprocess.spec,
+               f'config.evaluations.{candidate.name}.preprocess={candidate.preprocess.spec!r} '
+               f'makes {shape} images, but the model takes {data.info.image_shape}: resize to '
+               'the training size.')
+
+
+def _require(condition: bool, key: str, value, message: str) -> None:
+  if not condition:
+    raise errors.ConfigError(message, key=key, value=value)
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _options(config: ml_collections.ConfigDict, key: str) -> dict:
+  """The options of the plug-in that config.`key` names, from config.`key`_options.<name>."""
+  section = config.get(f'{key}_options', {}).get(config[key])
+  return section.to_dict() if isinstance(section, ml_collections.ConfigDict) else {}
+
+
+def resolve(config: ml_collections.ConfigDict) -> Run:
+  """The `Run` of `config`; a `ConfigError` (or `MissingPackage`) naming the first bad key."""
+  _check_values(config)
+  preprocess = preprocessing.parse(config.preprocess)
+  evaluations = _evaluations(config, preprocess)
+  return Run(
+      settings=json.loads(config.to_json_best_effort()),
+      input=_input(config, preprocess),
+      model=_model(config),
+      loss=losses.LOSSES.bind(config.loss, _options(config, 'loss')),
+      optimization=_optimization(config),
+      evaluations=evaluations,
+      best=_best_metric(config.best_metric, evaluations),
+      batch_size=config.batch_size, num_epochs=config.num_epochs, seed=config.seed,
+      ema_decay=config.ema_decay, nonfinite=config.nonfinite,
+      eval_batch_size=config.eval_batch_size, precise_bn_batches=config.precise_bn_batches,
+      log_every_steps=config.log_every_steps,
+      checkpoint_every_steps=config.checkpoint_every_steps,
+      max_checkpoints_to_keep=config.max_checkpoints_to_keep,
+      profile_steps=config.profile_steps,
+      early_stopping_patience=config.early_stopping_patience,
+      early_stopping_min_delta=config.early_stopping_min_delta,
+      init_from=config.init_from, init_exclude=tuple(config.init_exclude))
+
+
+def _check_values(config: ml_collections.ConfigDict) -> None:
+  """Checks the app's own keys: counts, choices and numbers in their intervals."""
+  for key in _COUNTS + _NON_NEGATIVE:
+    minimum = 1 if key in _COUNTS else 0
+    _require(_is_int(config[key]) and config[key] >= minimum, key, config[key],
+             f'config.{key}={config[key]!r} is invalid: it must be an integer >= {minimum}'
+             f'{" (0 = off)" if minimum == 0 else ""}.')
+  for key, valid in _CHOICES.items():
+    _require(config[key] in valid, key, config[key],
+             f'Unknown {key} {config[key]!r}: config.{key} must be one of {list(valid)}.')
+  for key, valid, interval in (
+      ('learning_rate', lambda value: value > 0, '> 0'),
+      ('ema_decay', lambda value: 0 <= value < 1, 'in [0, 1) (0 = off)'),
+      ('warmup_epochs', lambda value: 0 <= value <= config.num_epochs,
+       f'in [0, num_epochs={config.num_epochs}]'),
+      ('unmixed_last_epochs', lambda value: _is_int(value) and 0 <= value <= config.num_epochs,
+       f'an integer in [0, num_epochs={config.num_epochs}]'),
+      ('early_stopping_min_delta', lambda value: value >= 0, '>= 0'),
+      ('grad_clip_norm', lambda value: value >= 0, '>= 0 (0 = off)'),
+      ('mixup_alpha', lambda value: value >= 0, '>= 0 (0 = off)'),
+      ('cutmix_alpha', lambda value: value >= 0, '>= 0 (0 = off)')):
+    value = config[key]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    _require(number and valid(value), key, value,
+             f'config.{key}={value!r} is invalid: it must be {interval}.')
+  _check_parameter_patterns(config)
+
+
+def _check_parameter_patterns(config: ml_collections.ConfigDict) -> None:
+  """Checks config.freeze and config.init_exclude (regular expressions) and
+  config.lr_multipliers (pattern: factor)."""
+  patterns = [(key, pattern) for key in ('freeze', 'init_exclude') for pattern in config[key]] + [
+      ('lr_multipliers', pattern) for pattern in config.lr_multipliers]
+  for key, pattern in patterns:
+    try:
+      re.compile(pattern)
+    except (re.error, TypeError) as error:
+      raise errors.ConfigError(f'config.{key} has {pattern!r}, which is not a regular '
+                               f'expression ({error}).', key=key, value=pattern) from None
+  for pattern, factor in config.lr_multipliers.items():
+    _require(isinstance(factor, (int, float)) and factor > 0, 'lr_multipliers', factor,
+             f'config.lr_multipliers.{pattern}={factor!r} is invalid: it must be > 0.')
+
+
+def _input(config: ml_collections.ConfigDict,
+           preprocess: preprocessing.Preprocessing) -> input_pipeline.Input:
+  """The data source (bound to its options) and how its splits are read and batched; checks
+  that the source and backend can serve `in_memory` and the random ops."""
+  source = data_sources.SOURCES.bind(config.data_source, _options(config, 'data_source'))
+  can_stream = bool(data_sources.SOURCES.capability(config.data_source, 'can_stream'))
+  if config.in_memory == 'never' and not can_stream:
+    streaming = [name for name in data_sources.SOURCES.names()
+                 if data_sources.SOURCES.capability(name, 'can_stream')]
+    raise errors.ConfigError(
+        f"config.in_memory='never' streams splits from their files, which data_source "
+        f'{config.data_source!r} cannot: use in_memory=\'auto\' or \'always\', or a data source '
+        f'that streams ({", ".join(streaming)}).', key='in_memory', value='never')
+  if config.input_backend == 'torch':
+    try:
+      import torch  # pylint: disable=g-import-not-at-top,unused-import  (optional)
+    except ImportError as error:
+      raise errors.MissingPackage(
+          "config.input_backend='torch' needs the 'torch' package, which is not installed: pip "
+          'install -r requirements-extras.txt (or pip install torch).', key='input_backend',
+          value='torch', package='torch') from error
+    if config.in_memory == 'never' or preprocess.random_ops:
+      raise errors.ConfigError(
+          "config.input_backend='torch' takes in-memory splits without random ops: use "
+          "input_backend='tf' for in_memory='never' or random ops in config.preprocess.",
+          key='input_backend', value=config.input_backend)
+  return input_pipeline.Input(
+      source=lambda: source(config.dataset, config.data_dir), can_stream=can_stream,
+      preprocess=preprocess, train_split=config.train_split, in_memory=config.in_memory,
+      shuffle_buffer_size=config.shuffle_buffer_size, backend=config.input_backend,
+      seed=config.seed, num_epochs=config.num_epochs, mixup_alpha=config.mixup_alpha,
+      cutmix_alpha=config.cutmix_alpha, unmixed_last_epochs=config.unmixed_last_epochs)
+
+
+def _model(config: ml_collections.ConfigDict) -> models.ModelSpec:
+  # Checks the values only: a named backend keeps JAX (and its accelerators) unstarted.
+  kernels.select_layers(config.cpu_kernels, backend='cpu', compute_dtype=config.compute_dtype)
+  return models.ModelSpec(config.model,
+                          models.MODELS.bind(config.model, _options(config, 'model')),
+                          cpu_kernels=config.cpu_kernels, compute_dtype=config.compute_dtype)
+
+
+def _optimization(config: ml_collections.ConfigDict) -> optimizers.Optimization:
+  """The optimizer and schedule bound to their options, each built once here so that a bad
+  value is refused now (a constant schedule and a 100-update run stand in for the real ones)."""
+  optimizer = optimizers.OPTIMIZERS.bind(config.optimizer, _options(config, 'optimizer'))
+  schedule = optimizers.SCHEDULES.bind(config.schedule, _options(config, 'schedule'))
+  optimizer(optax.constant_schedule(config.learning_rate))
+  schedule(config.learning_rate, 100)
+  return optimizers.Optimization(
+      optimizer=optimizer, schedule=schedule, learning_rate=config.learning_rate,
+      warmup_epochs=config.warmup_epochs, num_epochs=config.num_epochs,
+      grad_accum_steps=config.grad_accum_steps, grad_clip_norm=config.grad_clip_norm,
+      freeze=tuple(config.freeze), lr_multipliers=tuple(config.lr_multipliers.items()),
+      nonfinite=config.nonfinite)
+
+
+def _evaluations(config: ml_collections.ConfigDict,
+                 preprocess: preprocessing.Preprocessing) -> tuple[evaluation.Evaluation, ...]:
+  """The run's evaluations: 'eval', 'test' (with a test split) and `config.evaluations`."""
+  evaluations = [evaluation.Evaluation('eval', config.eval_split,
+                                       evaluators.create(config.evaluators), preprocess)]
+  if config.test_split:
+    key = 'test_evaluators' if config.test_evaluators else 'evaluators'
+    evaluations.append(evaluation.Evaluation('test', config.test_split,
+                                             evaluators.create(config[key], key), preprocess,
+                                             every=evaluation.AT_END))
+  for name, section in config.get('evaluations', {}).items():
+    evaluations.append(_extra_evaluation(config, name, section, preprocess))
+  return tuple(evaluations)
+
+
+def _extra_evaluation(config: ml_collections.ConfigDict, name: str,
+                      section: ml_collections.ConfigDict,
+                      preprocess: preprocessing.Preprocessing) -> evaluation.Evaluation:
+  """config.evaluations.`name`: its split, evaluators (default config.evaluators),
+  preprocessing (default the run's) and cadence (default every epoch)."""
+  key = f'evaluations.{name}'
+  _require(bool(_EVALUATION_NAME.fullmatch(name)) and name not in ('eval', 'test'), key, name,
+           f'config.{key}: an evaluation name is an identifier other than eval and test (they '
+           'are config.eval_split and config.test_split).')
+  _require(isinstance(section, ml_collections.ConfigDict), key, section,
+           f"config.{key} must be a dict such as {{'split': 'train[:1000]', 'every': 200}}.")
+  for option in section:
+    _require(option in _EVALUATION_KEYS, f'{key}.{option}', section[option],
+             f'config.{key}.{option} is not an option of an evaluation; its options: '
+             f'{", ".join(_EVALUATION_KEYS)}.')
+  split = section.get('split')
+  _require(isinstance(split, str) and bool(split), f'{key}.split', split,
+           f'config.{key}.split={split!r} is invalid: give a split, such as \'train[:1000]\'.')
+  every = section.get('every', evaluation.EVERY_EPOCH)
+  _require(every in (evaluation.EVERY_EPOCH, evaluation.AT_END) or (_is_int(every) and every > 0),
+           f'{key}.every', every,
+           f"config.{key}.every={every!r} is invalid: it must be 'epoch', 'end' or a number of "
+           'steps >= 1.')
+  spec = section.get('evaluators') or config.evaluators
+  own = section.get('preprocess')
+  return evaluation.Evaluation(
+      name, split, evaluators.create(spec, f'{key}.evaluators'),
+      preprocess if own is None else preprocessing.parse(own, f'{key}.preprocess'), every=every)
+
+
+def _best_metric(name: str, evaluations: tuple[evaluation.Evaluation, ...]) -> BestMetric:
+  """Checks config.best_metric against the evaluations that run every epoch."""
+  candidates = {f'{candidate.name}/{metric}': higher for candidate in evaluations
+                if candidate.every == evaluation.EVERY_EPOCH
+                for metric, higher in candidate.directions.items()}
+  _require(name in candidates, 'best_metric', name,
+           f'config.best_metric={name!r} is invalid: it must be a scalar of an evaluation that '
+           f'runs every epoch: one of {sorted(candidates)}.')
+  return BestMetric(name, candidates[name])
+
+
+def saved_config(workdir: str) -> ml_collections.ConfigDict | None:
+  """The config `workdir`'s checkpoints were trained with, if saved, on today's defaults (keys
+  added to the app since it was trained take their default values)."""
+  if (saved := workdirs.saved_config(workdir)) is None:
+    return None
+  config = default.get_config()
+  config.update(saved)
+  return config
