@@ -1,0 +1,133 @@
+"""EfficientNet-B0 (Tan & Le 2019) in timm's layout (`efficientnet_b0`: torch's symmetric
+padding, not the TensorFlow port's 'SAME'): a 3x3 stride-2 stem, seven stages of mobile inverted
+bottlenecks with squeeze-and-excitation and SiLU, a 1x1 head convolution to 1,280 features,
+average pooling and the classifier."""
+
+from flax import nnx
+import jax
+
+from backbones import common
+from backbones import weights
+import kernels
+import models
+
+# Each stage: (blocks, kernel size, stride of its first block, expansion ratio, out features);
+# timm's arch_def of efficientnet_b0 (ds_r1_k3_s1_e1_c16, ir_r2_k3_s2_e6_c24, ...).
+_B0_STAGES = ((1, 3, 1, 1, 16), (2, 3, 2, 6, 24), (2, 5, 2, 6, 40), (3, 3, 2, 6, 80),
+              (3, 5, 1, 6, 112), (4, 5, 2, 6, 192), (1, 3, 1, 6, 320))
+# Squeeze-and-excitation to a quarter of the block's input features.
+_SE_RATIO = 0.25
+
+# timm's keys -> this module's paths. timm's first stage has depthwise-separable blocks (no
+# expansion: conv_dw, bn1, se, conv_pw, bn2) and the others inverted residuals (conv_pw, bn1,
+# conv_dw, bn2, se, conv_pwl, bn3): both are `MBConv` here, with names that say each layer's role.
+_SEPARABLE = r'(blocks\.0\.\d+)'
+_INVERTED = r'(blocks\.[1-9]\d*\.\d+)'
+_BLOCK_LAYERS = (
+    (_SEPARABLE, 'conv_dw', 'bn1', 'conv_dw', 'bn_dw'),
+    (_SEPARABLE, 'conv_pw', 'bn2', 'conv_projection', 'bn_projection'),
+    (_INVERTED, 'conv_pw', 'bn1', 'conv_expansion', 'bn_expansion'),
+    (_INVERTED, 'conv_dw', 'bn2', 'conv_dw', 'bn_dw'),
+    (_INVERTED, 'conv_pwl', 'bn3', 'conv_projection', 'bn_projection'),
+)
+KEY_MAP = (
+    *weights.conv_rules(r'conv_stem', 'conv_stem'),
+    *weights.norm_rules(r'bn1', 'bn1'),
+    *(rule for block, conv, norm, conv_target, norm_target in _BLOCK_LAYERS
+      for rule in (*weights.conv_rules(rf'{block}\.{conv}', rf'\1.{conv_target}'),
+                   *weights.norm_rules(rf'{block}\.{norm}', rf'\1.{norm_target}'))),
+    *weights.conv_rules(r'(blocks\.\d+\.\d+\.se\.conv_(?:reduce|expand))', r'\1'),
+    *weights.conv_rules(r'conv_head', 'conv_head'),
+    *weights.norm_rules(r'bn2', 'bn2'),
+    *weights.linear_rules(r'classifier', 'classifier'),
+)
+
+
+class SqueezeExcite(nnx.Module):
+  """Channel attention (Hu et al. 2018): the features' means through a 1x1 convolution to
+  `reduced` features, SiLU, a 1x1 convolution back and a sigmoid gate scale the features."""
+
+  def __init__(self, features: int, reduced: int, *, layers: kernels.Layers, rngs: nnx.Rngs):
+    self.conv_reduce = common.conv(layers, features, reduced, 1, use_bias=True, rngs=rngs)
+    self.conv_expand = common.conv(layers, reduced, features, 1, use_bias=True, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    scale = self.conv_expand(nnx.silu(self.conv_reduce(x.mean(axis=(1, 2), keepdims=True))))
+    return x * nnx.sigmoid(scale)
+
+
+class MBConv(nnx.Module):
+  """A mobile inverted bottleneck: a 1x1 expansion by `expand_ratio` (none when 1), a
+  depthwise convolution with the stride, squeeze-and-excitation, a linear 1x1 projection, each
+  batch-normalised; plus the input (under stochastic depth) where the shapes allow."""
+
+  def __init__(self, in_features: int, out_features: int, kernel_size: int, stride: int,
+               expand_ratio: int, drop_path_rate: float, *, layers: kernels.Layers,
+               rngs: nnx.Rngs):
+    hidden = in_features * expand_ratio
+    if expand_ratio != 1:
+      self.conv_expansion = common.conv(layers, in_features, hidden, 1, rngs=rngs)
+      self.bn_expansion = common.batch_norm(layers, hidden, rngs=rngs)
+    else:
+      self.conv_expansion = self.bn_expansion = None
+    self.conv_dw = common.conv(layers, hidden, hidden, kernel_size, stride=stride,
+                               groups=hidden, rngs=rngs)
+    self.bn_dw = common.batch_norm(layers, hidden, rngs=rngs)
+    self.se = SqueezeExcite(hidden, round(in_features * _SE_RATIO), layers=layers, rngs=rngs)
+    self.conv_projection = common.conv(layers, hidden, out_features, 1, rngs=rngs)
+    self.bn_projection = common.batch_norm(layers, out_features, rngs=rngs)
+    self.has_skip = stride == 1 and in_features == out_features
+    self.drop_path = common.DropPath(drop_path_rate, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = x
+    if self.conv_expansion is not None:
+      y = nnx.silu(self.bn_expansion(self.conv_expansion(y)))
+    y = self.se(nnx.silu(self.bn_dw(self.conv_dw(y))))
+    y = self.bn_projection(self.conv_projection(y))
+    return x + self.drop_path(y) if self.has_skip else y
+
+
+@models.MODELS.register(
+    'efficientnet_b0', key_map=KEY_MAP,
+    # timm's default weights: trained with RandAugment (ra_in1k).
+    pretrained=common.pretrained_cfg('timm/efficientnet_b0.ra_in1k', crop_pct=0.875,
+                                     interpolation='bicubic', mean=common.IMAGENET_MEAN,
+                                     std=common.IMAGENET_STD))
+class EfficientNetB0(nnx.Module):
+  """EfficientNet-B0 (5.3M parameters with 1,000 classes)."""
+
+  def __init__(self, image_shape: tuple[int, int, int], num_classes: int, *,
+               layers: kernels.Layers, rngs: nnx.Rngs, drop_path_rate: float = 0.0,
+               dropout_rate: float = 0.0, remat: bool = False):
+    """`drop_path_rate`: stochastic depth of the last block; `dropout_rate`: dropout before the
+    classifier; `remat`: recompute each block's activations in the backward pass to save
+    memory."""
+    common.check_rate('drop_path_rate', drop_path_rate)
+    common.check_rate('dropout_rate', dropout_rate)
+    num_blocks = sum(stage[0] for stage in _B0_STAGES)
+    self.conv_stem = common.conv(layers, image_shape[-1], 32, 3, stride=2, rngs=rngs)
+    self.bn1 = common.batch_norm(layers, 32, rngs=rngs)
+    stages, in_features, index = [], 32, 0
+    for depth, kernel_size, stride, expand_ratio, out_features in _B0_STAGES:
+      blocks = []
+      for block in range(depth):
+        # timm's schedule here: rate * index / number of blocks (the last one stays below it).
+        blocks.append(MBConv(in_features, out_features, kernel_size, stride if block == 0 else 1,
+                             expand_ratio, drop_path_rate * index / num_blocks, layers=layers,
+                             rngs=rngs))
+        in_features, index = out_features, index + 1
+      stages.append(nnx.List(blocks))
+    self.blocks = nnx.List(stages)
+    self.conv_head = common.conv(layers, in_features, 1280, 1, rngs=rngs)
+    self.bn2 = common.batch_norm(layers, 1280, rngs=rngs)
+    self.dropout = layers.dropout(rate=dropout_rate, rngs=rngs)
+    self.classifier = layers.linear(1280, num_classes, rngs=rngs)
+    self.remat = remat
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = nnx.silu(self.bn1(self.conv_stem(x)))
+    for stage in self.blocks:
+      x = common.run_blocks(stage, x, self.remat)
+    x = nnx.silu(self.bn2(self.conv_head(x)))
+    return common.head(x.mean(axis=(1, 2)), self.dropout, self.classifier)
