@@ -183,13 +183,20 @@ def test_mlflow_server_over_http(tmp_path, monkeypatch):
     server.wait(timeout=30)
 
 
-def _wandb_history(wandb_file) -> dict[int, float]:
-  """{step: eval/accuracy} of a .wandb log, read by wandb's own `wandb leet inspect`."""
+def _read_wandb_log(wandb_file) -> tuple[str, dict, dict[int, float]]:
+  """The run id, config and {step: eval/accuracy} of a .wandb log, read by wandb's own
+  `wandb leet inspect`."""
   output = subprocess.run([sys.executable, '-m', 'wandb', 'leet', 'inspect', '--json',
                            str(wandb_file)], capture_output=True, text=True, check=True).stdout
   records = [json.loads(line) for line in output.splitlines()]
-  return {record['history']['step']['num']: record['history']['item']['eval/accuracy']
-          for record in records if record['type'] == 'history'}
+  [run_id] = [record['run']['run_id'] for record in records if record['type'] == 'run']
+  config = {}
+  for record in records:
+    if record['type'] == 'config':
+      config.update(record['config']['update'])
+  return run_id, config, {
+      record['history']['step']['num']: record['history']['item']['eval/accuracy']
+      for record in records if record['type'] == 'history'}
 
 
 def test_wandb_offline_resumed_run_keeps_its_id(tmp_path, monkeypatch):
@@ -209,7 +216,11 @@ def test_wandb_offline_resumed_run_keeps_its_id(tmp_path, monkeypatch):
   _write_run(resumed, [30, 40])
   assert (workdir / loggers.WANDB_RUN_ID_FILE).read_text().strip() == run_id
   # Offline, each process writes its own log of the run's id; `wandb sync` joins them.
-  logs = sorted(workdir.glob('wandb/offline-run-*/run-*.wandb'))
-  assert [log.name for log in logs] == [f'run-{run_id}.wandb'] * 2
-  assert [_wandb_history(log) for log in logs] == [
-      {step: _accuracy(step) for step in steps} for steps in ([10, 20], [30, 40])]
+  first, second = [_read_wandb_log(log)
+                   for log in sorted(workdir.glob('wandb/offline-run-*/run-*.wandb'))]
+  assert (first[0], second[0]) == (run_id, run_id)
+  assert (first[2], second[2]) == ({step: _accuracy(step) for step in (10, 20)},
+                                   {step: _accuracy(step) for step in (30, 40)})
+  config = first[1]
+  assert (config['learning_rate'], config['model_options.cnn.features']) == (0.1, [32, 64])
+  assert 'init_from' not in config
