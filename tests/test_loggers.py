@@ -94,10 +94,10 @@ def test_missing_package_before_any_file(tmp_path, monkeypatch, package):
   assert not os.listdir(tmp_path)
 
 
-def _check_mlflow_run(workdir, steps):
+def _check_mlflow_run(workdir, steps, experiment='Default'):
   """The workdir's one MLflow run, read back with MLflow's client: every step, the params."""
   import mlflow  # pylint: disable=g-import-not-at-top
-  runs = mlflow.search_runs(experiment_ids=['0'], output_format='list')
+  runs = mlflow.search_runs(experiment_names=[experiment], output_format='list')
   assert [run.info.run_id for run in runs] == [(workdir / loggers.MLFLOW_RUN_ID_FILE).read_text()
                                                .strip()]
   run = runs[0]
@@ -113,13 +113,13 @@ def _check_mlflow_run(workdir, steps):
   return run
 
 
-def _log_mlflow_run_and_resume(workdir):
-  writer = loggers.create_writer('tensorboard|mlflow', str(workdir))
+def _log_mlflow_run_and_resume(workdir, spec='tensorboard|mlflow'):
+  writer = loggers.create_writer(spec, str(workdir))
   writer.write_hparams(HPARAMS)
   writer.write_images(10, {'eval/confusion_matrix': np.zeros((1, 4, 4, 3), np.uint8)})
   writer.write_texts(0, {'config': 'model: cnn'})
   _write_run(writer, [10, 20])
-  resumed = loggers.create_writer('tensorboard|mlflow', str(workdir))
+  resumed = loggers.create_writer(spec, str(workdir))
   resumed.write_hparams({**HPARAMS, 'learning_rate': 0.2})  # Changed: the first value stays.
   _write_run(resumed, [30, 40])
 
@@ -176,8 +176,8 @@ def test_mlflow_server_over_http(tmp_path, monkeypatch):
     monkeypatch.delenv('MLFLOW_EXPERIMENT_NAME', raising=False)
     workdir = tmp_path / 'run'
     workdir.mkdir()
-    _log_mlflow_run_and_resume(workdir)
-    _check_mlflow_run(workdir, [10, 20, 30, 40])
+    _log_mlflow_run_and_resume(workdir, 'tensorboard|mlflow(experiment="mnist")')
+    _check_mlflow_run(workdir, [10, 20, 30, 40], experiment='mnist')
   finally:
     server.terminate()
     server.wait(timeout=30)

@@ -157,7 +157,14 @@ class MlflowWriter(_Writer):
     if name is None:
       return '0'  # MLflow's Default experiment.
     experiment = self._client.get_experiment_by_name(name)
-    return experiment.experiment_id if experiment else self._client.create_experiment(name)
+    if experiment is not None:
+      return experiment.experiment_id
+    try:
+      return self._client.create_experiment(name)
+    except self._mlflow.MlflowException:  # Created meanwhile by another run, e.g. a sweep's.
+      if (experiment := self._client.get_experiment_by_name(name)) is None:
+        raise
+      return experiment.experiment_id
 
   def write_scalars(self, step, scalars):
     timestamp = int(time.time() * 1000)
