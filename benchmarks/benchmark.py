@@ -50,11 +50,8 @@ import tensorflow as tf
 from benchmarks import reference_mnist
 from benchmarks import timing
 import input_pipeline
-import train
-from training import evaluation
-from training import evaluators
-from training import losses
 from training import parallel
+from training import run_spec
 from training import state as state_lib
 
 FLAGS = flags.FLAGS
@@ -119,31 +116,51 @@ def flops_per_example(jitted, *args, examples: int) -> tuple[float, float]:
   return seconds, float(cost['flops']) / examples
 
 
+def _open_splits(run: run_spec.Run, data: input_pipeline.Data, mesh: jax.sharding.Mesh):
+  """This process's training split and the eval split's sharded batches, opened as `train`
+  opens them (its helpers are private: the same public input_pipeline calls, here)."""
+  train_split = input_pipeline.open_split(
+      data, input_pipeline.process_split(run.input.train_split, drop_remainder=True), run.input)
+  if not isinstance(train_split, input_pipeline.Streamed):
+    input_pipeline.log_class_counts(train_split.labels, data.info.class_names,
+                                    run.input.train_split)
+  evaluating = run.evaluation('eval')
+  eval_batches = input_pipeline.open_eval_batches(
+      data, run.input, evaluating.split, data.eval_sizes[evaluating.name],
+      parallel.round_up(run.eval_batch_size, mesh), evaluating.preprocess,
+      place=lambda batch: parallel.shard(batch, mesh))
+  return train_split, eval_batches
+
+
 def measure_project(config) -> dict[str, float]:
   """The project's figures, through the same data, state, step and evaluation code as `train`."""
+  run = run_spec.resolve(config)
   mesh = parallel.create_mesh()
   jax.set_mesh(mesh)
-  data = input_pipeline.open_data(config)
-  train_split, eval_batches = train.load_splits(config, data, mesh)
-  state = state_lib.create(config, data.info, data.info.num_train_examples // config.batch_size)
-  train_step = state_lib.make_train_step(losses.LOSSES.create(config, data.info.num_classes))
+  data = input_pipeline.open_data(run.input, run.eval_splits())
+  train_split, eval_batches = _open_splits(run, data, mesh)
+  schedule = run.optimization.learning_rate_schedule(
+      data.info.num_train_examples // run.batch_size)
+  state = state_lib.create(run.model, data.info, run.optimization, schedule, seed=run.seed,
+                           ema_decay=run.ema_decay)
+  train_step = state_lib.make_train_step(run.loss(data.info.num_classes))
   batches = (parallel.shard(batch, mesh)
-             for batch in input_pipeline.train_batches(train_split, data, config,
-                                                       config.batch_size))
+             for batch in input_pipeline.train_batches(train_split, data, run.input,
+                                                       run.batch_size))
   first = next(batches)
-  compile_s, flops = flops_per_example(train_step, state, first, examples=config.batch_size)
+  compile_s, flops = flops_per_example(train_step, state, first, examples=run.batch_size)
 
   def step(batch):
     train_step(state, batch)
     return nnx.state(state)
 
-  results = measure_training(step, batches, config.batch_size, FLAGS.steps)
-  split = evaluation.Evaluation('eval', evaluators.create(config.evaluators), data.info,
-                                data.info.num_eval_examples)
-  split.run(state.eval_model(), eval_batches)  # Compile.
-  eval_s = timing.best_time(lambda: split.run(state.eval_model(), eval_batches), repeats=3)
+  results = measure_training(step, batches, run.batch_size, FLAGS.steps)
+  split = run.evaluation('eval')
+  split.run(state.eval_model(), eval_batches, data.info)  # Compile.
+  eval_s = timing.best_time(lambda: split.run(state.eval_model(), eval_batches, data.info),
+                            repeats=3)
   return {'compile_s': compile_s, 'flops_per_example': flops, **results,
-          'eval_examples_per_sec': data.info.num_eval_examples / eval_s}
+          'eval_examples_per_sec': data.eval_sizes['eval'] / eval_s}
 
 
 def measure_reference(config) -> dict[str, float]:

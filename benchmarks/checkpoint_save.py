@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
 from configs import default  # pylint: disable=g-import-not-at-top
 from data_sources import base  # pylint: disable=g-import-not-at-top
+from training import run_spec  # pylint: disable=g-import-not-at-top
 from training import state as state_lib  # pylint: disable=g-import-not-at-top
 
 _SAVES = 8
@@ -43,9 +44,11 @@ def blocking_times(items: dict, enable_async: bool) -> list[float]:
 
 def main():
   logging.set_verbosity(logging.ERROR)
-  config = default.get_config()
+  run = run_spec.resolve(default.get_config())
   info = base.DatasetInfo('mnist', (28, 28, 1), 10, 60_000, 10_000)
-  items = {'state': nnx.state(state_lib.create(config, info, 468))}
+  schedule = run.optimization.learning_rate_schedule(468)  # MNIST's steps per epoch at 128.
+  items = {'state': nnx.state(state_lib.create(run.model, info, run.optimization, schedule,
+                                               seed=run.seed, ema_decay=run.ema_decay))}
   for enable_async in (False, True):
     times = blocking_times(items, enable_async)
     print(f'enable_async_checkpointing={enable_async}: save() blocks for a median of '

@@ -24,6 +24,7 @@ import input_pipeline  # pylint: disable=g-import-not-at-top
 from training import evaluation  # pylint: disable=g-import-not-at-top
 from training import evaluators  # pylint: disable=g-import-not-at-top
 from training import parallel  # pylint: disable=g-import-not-at-top
+from training import run_spec  # pylint: disable=g-import-not-at-top
 from training import state as state_lib  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
@@ -39,26 +40,33 @@ SETS = {'accuracy': 'accuracy',
 def main(argv):
   del argv
   config = FLAGS.config
+  run = run_spec.resolve(config)
   mesh = parallel.create_mesh()
   jax.set_mesh(mesh)
-  data = input_pipeline.open_data(config)
-  state = state_lib.create(config, data.info, steps_per_epoch=1)
-  batches = parallel.eval_batches(data, config.eval_split, data.info.num_eval_examples, config,
-                                  mesh)
-  runs = {name: evaluation.Evaluation('eval', evaluators.create(spec or config.evaluators),
-                                      data.info, data.info.num_eval_examples)
+  data = input_pipeline.open_data(run.input, run.eval_splits())
+  schedule = run.optimization.learning_rate_schedule(steps_per_epoch=1)
+  state = state_lib.create(run.model, data.info, run.optimization, schedule, seed=run.seed,
+                           ema_decay=run.ema_decay)
+  default = run.evaluation('eval')
+  num_examples = data.eval_sizes[default.name]
+  batches = input_pipeline.open_eval_batches(
+      data, run.input, default.split, num_examples,
+      parallel.round_up(run.eval_batch_size, mesh), default.preprocess,
+      place=lambda batch: parallel.shard(batch, mesh))
+  runs = {name: (evaluation.Evaluation('eval', default.split, evaluators.create(spec),
+                                       default.preprocess) if spec else default)
           for name, spec in SETS.items()}
-  for run in runs.values():
-    run.run(state.eval_model(), batches)  # Compiled once, outside the timing.
+  for evaluating in runs.values():
+    evaluating.run(state.eval_model(), batches, data.info)  # Compiled once, outside the timing.
   seconds = {name: [] for name in runs}
   for _ in range(FLAGS.rounds):
-    for name, run in runs.items():
+    for name, evaluating in runs.items():
       start = time.perf_counter()
-      run.run(state.eval_model(), batches)
+      evaluating.run(state.eval_model(), batches, data.info)
       seconds[name].append(time.perf_counter() - start)
   base = np.median(seconds['accuracy'])
   print(f'{"evaluators":16s} {"s per pass":>11s} {"vs accuracy":>12s}   '
-        f'({data.info.num_eval_examples} examples, median of {FLAGS.rounds})')
+        f'({num_examples} examples, median of {FLAGS.rounds})')
   for name, times in seconds.items():
     print(f'{name:16s} {np.median(times):11.3f} {np.median(times) / base - 1:+11.1%}')
 

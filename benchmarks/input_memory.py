@@ -9,6 +9,7 @@ as `config.in_memory` says), reads one epoch of training batches and prints the 
 examples, the seconds and the process's peak RSS (docs/own_data.md).
 """
 
+import dataclasses
 import resource
 import time
 
@@ -21,6 +22,7 @@ from absl import flags
 from ml_collections import config_flags
 
 import input_pipeline
+from training import run_spec
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config whose input to measure.')
@@ -29,12 +31,15 @@ config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config whose in
 def main(argv):
   del argv
   config = FLAGS.config
-  config.num_epochs = 1
   start = time.perf_counter()
-  data = input_pipeline.open_data(config)
-  split = input_pipeline.open_split(data, config.train_split, config)
+  run = run_spec.resolve(config)
+  # One epoch: set on the resolved input, not on the config, whose warmup_epochs and
+  # unmixed_last_epochs are checked against the config's own num_epochs.
+  inputs = dataclasses.replace(run.input, num_epochs=1)
+  data = input_pipeline.open_data(inputs, run.eval_splits())
+  split = input_pipeline.open_split(data, inputs.train_split, inputs)
   examples = sum(batch['label'].size for batch in input_pipeline.train_batches(
-      split, data, config, config.batch_size))
+      split, data, inputs, run.batch_size))
   print(f'{config.train_split!r} in_memory={config.in_memory!r} '
         f'preprocess={config.preprocess!r}: '
         f'{examples} examples in {time.perf_counter() - start:.1f}s, peak RSS '

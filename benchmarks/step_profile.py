@@ -34,7 +34,7 @@ from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-imp
 
 from benchmarks import timing  # pylint: disable=g-import-not-at-top
 from data_sources import base  # pylint: disable=g-import-not-at-top
-from training import losses  # pylint: disable=g-import-not-at-top
+from training import run_spec  # pylint: disable=g-import-not-at-top
 from training import state as state_lib  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
@@ -117,9 +117,12 @@ def events(trace_dir: str) -> dict[str, float]:
 def main(argv):
   del argv
   config = FLAGS.config
+  run = run_spec.resolve(config)
   info = base.DatasetInfo('mnist', (28, 28, 1), 10, 60_000, 10_000)
-  state = state_lib.create(config, info, 468)
-  train_step = state_lib.make_train_step(losses.LOSSES.create(config, info.num_classes))
+  schedule = run.optimization.learning_rate_schedule(468)  # MNIST's steps per epoch at 128.
+  state = state_lib.create(run.model, info, run.optimization, schedule, seed=run.seed,
+                           ema_decay=run.ema_decay)
+  train_step = state_lib.make_train_step(run.loss(info.num_classes))
   rng = np.random.default_rng(0)
   batches = [{'image': jnp.asarray(rng.random((config.batch_size, 28, 28, 1), np.float32)),
               'label': jnp.asarray(rng.integers(0, 10, config.batch_size, np.int32))}
