@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import math
 import os
+from typing import NamedTuple
 
 from absl import logging
 import jax
@@ -95,15 +96,30 @@ class Streamed:
   image_shape: tuple[int, int, int]
 
 
-def open_data(inputs: Input, eval_splits: dict[str, tuple[str, str]]) -> Data:
+class EvalSplit(NamedTuple):
+  """An evaluation's split: the config key that names it (for messages), the split, and the
+  preprocessing its images get."""
+  key: str
+  split: str
+  preprocess: preprocessing.Preprocessing
+
+
+def open_data(inputs: Input, eval_splits: dict[str, EvalSplit]) -> Data:
   """`inputs`' source with its preprocessing; the training split and each evaluation's split
-  (`eval_splits`: {evaluation name: (its config key, split)}) checked, nothing decoded."""
+  (by evaluation name) checked, and that its preprocessing makes the model's images; nothing
+  decoded."""
   source = inputs.source()
-  eval_sizes = {name: source.split_size(key, split)
-                for name, (key, split) in eval_splits.items()}
+  image_shape = inputs.preprocess.image_shape(source.image_shape, source.name)
+  eval_sizes = {}
+  for name, (key, split, preprocess) in eval_splits.items():
+    eval_sizes[name] = source.split_size(key, split)
+    if (shape := preprocess.image_shape(source.image_shape, source.name)) != image_shape:
+      raise errors.ConfigError(
+          f'config.{preprocess.key}={preprocess.spec!r} makes {shape} images for evaluation '
+          f'{name!r}, but the model takes {image_shape}: resize to the training size.',
+          key=preprocess.key, value=preprocess.spec)
   info = base.DatasetInfo(
-      name=source.name,
-      image_shape=inputs.preprocess.image_shape(source.image_shape, source.name),
+      name=source.name, image_shape=image_shape,
       num_classes=source.num_classes,
       num_train_examples=source.split_size('train_split', inputs.train_split),
       num_eval_examples=eval_sizes.get('eval', 0), num_test_examples=eval_sizes.get('test', 0),
@@ -286,24 +302,36 @@ def _numpy_batches(batches: tf.data.Dataset) -> Iterator[Batch]:
   yield from batches.prefetch(_PREFETCH_BATCHES).with_options(options).as_numpy_iterator()
 
 
-def eval_batches(data: Data, inputs: Input, split: str, num_examples: int, batch_size: int,
-                 preprocess: preprocessing.Preprocessing | None = None,
-                 place: Callable[[Batch], Batch] = lambda batch: batch) -> 'EvalBatches':
-  """The whole `split` (`num_examples` over all processes) as equal-sized global batches of
-  `batch_size`, each example exactly once, prepared for eval by `preprocess` (default: the
-  run's); `place` puts each batch where it is used (sharded on the devices), one at a time.
+def open_eval_batches(data: Data, inputs: Input, split: str, num_examples: int,
+                      batch_size: int, preprocess: preprocessing.Preprocessing | None = None,
+                      place: Callable[[Batch], Batch] = lambda batch: batch) -> 'EvalBatches':
+  """The whole `split` (`num_examples` over all processes) as `eval_batches` of `batch_size`
+  examples over all processes, prepared by `preprocess` (default: the run's).
 
-  The last batch is padded with zero images; `mask` is True for real examples and False for
-  padding, so every batch has one compiled shape and padding never counts. Each process loads
-  its slice (sizes differ by at most one) and pads it to as many batches as the largest slice
-  needs, so all processes run the same number of eval steps.
+  Each process loads its slice (sizes differ by at most one) and pads it to as many batches as
+  the largest slice needs, so all processes run the same number of eval steps.
   """
   preprocess = preprocess or data.preprocess
   local_batch = batch_size // jax.process_count()
   largest_slice = -(-num_examples // jax.process_count())
-  num_batches = -(-largest_slice // local_batch)
-  examples = open_split(data, process_split(split), inputs, preprocess)
-  return EvalBatches(examples, preprocess, local_batch, num_batches, place)
+  return eval_batches(open_split(data, process_split(split), inputs, preprocess), preprocess,
+                      local_batch, -(-largest_slice // local_batch), place)
+
+
+def eval_batches(split: base.Split | Streamed, preprocess: preprocessing.Preprocessing,
+                 batch_size: int, num_batches: int | None = None,
+                 place: Callable[[Batch], Batch] = lambda batch: batch) -> 'EvalBatches':
+  """The whole split as equal-sized batches, each example exactly once, prepared for eval.
+
+  The last batch is padded with zero images; `mask` is True for real examples and False for
+  padding, so every batch has one compiled shape and padding never counts. `num_batches` pads
+  further, to that many batches. `place` puts each batch where it is used (e.g. sharded on the
+  devices), one at a time.
+  """
+  num_examples = split.num_examples if isinstance(split, Streamed) else len(split.labels)
+  pad = (num_batches * batch_size - num_examples if num_batches is not None
+         else -num_examples % batch_size)
+  return EvalBatches(split, preprocess, batch_size, pad, place)
 
 
 class EvalBatches:
@@ -311,11 +339,9 @@ class EvalBatches:
   host and placed one by one on every pass; a streamed split is read again on every pass."""
 
   def __init__(self, split: base.Split | Streamed, preprocess: preprocessing.Preprocessing,
-               batch_size: int, num_batches: int, place: Callable[[Batch], Batch]):
+               batch_size: int, pad: int, place: Callable[[Batch], Batch]):
     self._split, self._preprocess, self._place = split, preprocess, place
-    self._batch_size = batch_size
-    num_examples = split.num_examples if isinstance(split, Streamed) else len(split.labels)
-    self._pad = num_batches * batch_size - num_examples
+    self._batch_size, self._pad = batch_size, pad
     if not isinstance(split, Streamed):
       self._host_batches = list(self._batches().as_numpy_iterator())
 

@@ -60,7 +60,7 @@ def train_and_evaluate(run: run_spec.Run, workdir: str) -> dict[str, float]:
     mesh = parallel.create_mesh()
     jax.set_mesh(mesh)  # The state is created replicated over all devices.
     data = input_pipeline.open_data(run.input, run.eval_splits())
-    run.check_against_data(data, jax.device_count())
+    run.check_against_data(data.info, jax.device_count())
     logging.info('Dataset: %s', data.info)
     workdirs.save_info(workdir, data.info)
     session = Session(run, workdir, data, mesh, checkpoints, summaries.create_writer(workdir))
@@ -138,7 +138,7 @@ def _eval_batch_size(session: Session) -> int:
 
 def _eval_batches(session: Session, evaluation_: evaluation.Evaluation):
   """The sharded, masked eval batches of an evaluation's split; each example counts once."""
-  return input_pipeline.eval_batches(
+  return input_pipeline.open_eval_batches(
       session.data, session.run.input, evaluation_.split,
       session.data.eval_sizes[evaluation_.name], _eval_batch_size(session),
       evaluation_.preprocess, session.place)

@@ -44,7 +44,7 @@ def evaluate_checkpoint(run: run_spec.Run, workdir: str,
   num_examples = data.eval_sizes[scored.name]
   print(f'Evaluating the checkpoint at step {step} on {data.info.name} {scored.split!r} '
         f'({num_examples} examples).', flush=True)
-  batches = input_pipeline.eval_batches(
+  batches = input_pipeline.open_eval_batches(
       data, run.input, scored.split, num_examples, parallel.round_up(run.eval_batch_size, mesh),
       scored.preprocess, lambda batch: parallel.shard(batch, mesh))
   result = scored.run(model, batches, info)

@@ -30,7 +30,9 @@ from training import checkpointing
 from training import hooks
 from training import summaries
 from training import workdirs
+from training import run_spec
 from test_train import create
+import conftest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = {'train_split': 'train[:1280]', 'num_epochs': 2, 'checkpoint_every_steps': 3,
@@ -162,7 +164,7 @@ def test_nonfinite_loss_halts_and_keeps_the_checkpoints(reference, tfds_data_dir
   # Resumes at step 20, then diverges in the third epoch, before its first checkpoint is due.
   config = _config(tfds_data_dir, num_epochs=3, learning_rate=1e30, checkpoint_every_steps=100)
   with pytest.raises(errors.NonFiniteError) as error:
-    train.train_and_evaluate(config, workdir)
+    train.train_and_evaluate(run_spec.resolve(config), workdir)
   assert (error.value.step, error.value.last_checkpoint) == (25, 20)
   for step, state in before.items():
     for name, value in saved(workdir, step)[1].items():
@@ -186,7 +188,7 @@ def test_resuming_with_a_different_structure_names_the_difference(
   shutil.copytree(reference, workdir)
   os.remove(os.path.join(workdir, workdirs.CONFIG_FILE))
   with pytest.raises(errors.CheckpointError) as error:  # A third epoch, to resume.
-    train.train_and_evaluate(_config(tfds_data_dir, num_epochs=3, **overrides), workdir)
+    train.train_and_evaluate(run_spec.resolve(_config(tfds_data_dir, num_epochs=3, **overrides)), workdir)
   assert error.value.step == NUM_STEPS
   for name in names:
     assert name in str(error.value)
@@ -198,7 +200,7 @@ def test_a_changed_number_of_steps_per_epoch_is_refused(reference, tfds_data_dir
   shutil.copytree(reference, workdir)
   os.remove(os.path.join(workdir, workdirs.CONFIG_FILE))
   with pytest.raises(errors.ConfigError) as error:
-    train.train_and_evaluate(_config(tfds_data_dir, train_split='train[:2560]', num_epochs=3),
+    train.train_and_evaluate(run_spec.resolve(_config(tfds_data_dir, train_split='train[:2560]', num_epochs=3)),
                              workdir)
   assert error.value.key == 'train_split'
 
@@ -218,17 +220,17 @@ def test_eval_only_reproduces_the_final_eval_of_training(reference, tfds_data_di
 
 def test_eval_only_without_checkpoint_says_so(tfds_data_dir, tmp_path):
   with pytest.raises(errors.CheckpointError) as error:
-    evaluate.evaluate_checkpoint(_config(tfds_data_dir), str(tmp_path))
+    evaluate.evaluate_checkpoint(run_spec.resolve(_config(tfds_data_dir)), str(tmp_path))
   assert error.value.directory == os.path.join(str(tmp_path), 'checkpoints')
 
 
 @pytest.mark.slow
 def test_exported_saved_model_predicts_like_the_jax_model(reference, tfds_data_dir):
   config = _config(tfds_data_dir)
-  path = export.export_saved_model(config, reference)
+  path = export.export_saved_model(run_spec.resolve(config), reference)
   assert path == os.path.join(reference, 'export')
-  data = input_pipeline.open_data(config)
-  model, step = modes.load_model(config, reference, data.info)
+  data = conftest.open_data(config)
+  model, step = modes.load_model(run_spec.resolve(config), reference, data.info)
   assert step == NUM_STEPS
   raw = data.source.load_split('test[:100]').images  # uint8, as a user has them.
   images = raw.astype(np.float32) / 255
@@ -242,9 +244,10 @@ def test_a_nonfinite_state_is_never_saved(tmp_path):
   state.model.linears[-1].bias[...] = jnp.full(10, jnp.nan)
   checkpoints = checkpointing.Checkpoints(str(tmp_path))
   guard = hooks.NonFiniteGuard(checkpoints, every_steps=100)
-  loop = hooks.Loop(default.get_config(), state, steps_per_epoch=100, num_steps=1000, step=500)
+  loop = hooks.Loop(state, steps_per_epoch=100, num_steps=1000, step=500)
+  saves = hooks.Checkpointing(checkpoints, 500, guard)
   with pytest.raises(errors.NonFiniteError) as error:
-    hooks.Checkpointing(checkpoints, 500, [], guard).after_step(loop)
+    saves.after_step(loop, hooks.Hooks([], saves))
   assert (error.value.step, error.value.last_checkpoint) == (500, None)
   assert not checkpoints.all_steps()
 

@@ -12,14 +12,14 @@ from configs import default
 from core import errors
 from data_sources import base
 import train
-from training import config_checks
 from training import workdirs
+from training import run_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize('key,value,error_key', [
-    ('model', 'resnet50', 'model'),
+    ('model', 'resnet5000', 'model'),
     ('optimizer', 'sgdd', 'optimizer'),
     ('schedule', 'linearish', 'schedule'),
     ('loss', 'hinge', 'loss'),
@@ -51,7 +51,7 @@ def test_bad_values_fail_before_data_is_read(tmp_path, key, value, error_key):
   # A data dir that does not exist: reading data would fail differently.
   config.data_dir = str(tmp_path / 'no_data_here')
   with pytest.raises(errors.ConfigError) as error:
-    train.train_and_evaluate(config, str(tmp_path / 'workdir'))
+    train.train_and_evaluate(run_spec.resolve(config), str(tmp_path / 'workdir'))
   assert error.value.key == error_key
   assert not (tmp_path / 'no_data_here').exists()
 
@@ -60,14 +60,14 @@ def test_an_unknown_tfds_dataset_is_a_config_error(tmp_path):
   config = default.get_config()
   config.dataset = 'mnistt'
   with pytest.raises(errors.ConfigError) as error:
-    train.train_and_evaluate(config, str(tmp_path))
+    train.train_and_evaluate(run_spec.resolve(config), str(tmp_path))
   assert (error.value.key, error.value.value) == ('dataset', 'mnistt')
 
 
 @pytest.mark.parametrize('path', sorted(glob.glob(os.path.join(ROOT, 'configs', '*.py'))))
 def test_every_shipped_config_passes_the_checks(path):
   config = importlib.import_module(f'configs.{os.path.basename(path)[:-3]}').get_config()
-  config_checks.check_config(config)
+  run_spec.resolve(config)
 
 
 def test_batch_larger_than_train_split():
@@ -75,7 +75,7 @@ def test_batch_larger_than_train_split():
   config.batch_size = 70_000
   info = base.DatasetInfo('mnist', (28, 28, 1), 10, 60_000, 10_000)
   with pytest.raises(errors.ConfigError) as error:
-    config_checks.check_against_data(config, info, 1)
+    run_spec.resolve(config).check_against_data(info, 1)
   assert (error.value.key, error.value.value) == ('batch_size', 70_000)
 
 

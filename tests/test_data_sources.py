@@ -24,6 +24,8 @@ import image_folders
 import input_pipeline
 import preprocessing
 import train
+from training import run_spec
+import conftest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,7 +57,7 @@ def torchvision_root(tmp_path_factory, tfds_data_dir):
 @pytest.fixture(scope='module')
 def tfds_splits(tfds_data_dir):
   """TFDS's MNIST: the first 12,800 training images and the 10,000 test images."""
-  source = data_sources.open_source(_config(data_dir=tfds_data_dir))
+  source = conftest.open_source(_config(data_dir=tfds_data_dir))
   return {'train': source.load_split('train[:12800]'), 'test': source.load_split('test')}
 
 
@@ -104,10 +106,10 @@ def test_to_split_adds_the_channel_axis_and_casts_labels():
 
 
 def test_torchvision_mnist_equals_tfds(torchvision_root, tfds_data_dir, tfds_splits):
-  data = input_pipeline.open_data(
+  data = conftest.open_data(
       _config(data_source='torchvision', dataset='MNIST', data_dir=torchvision_root))
   info, load_split = data.info, data.source.load_split
-  tfds_info = input_pipeline.open_data(_config(data_dir=tfds_data_dir)).info
+  tfds_info = conftest.open_data(_config(data_dir=tfds_data_dir)).info
   assert info == base.DatasetInfo(
       name='MNIST', image_shape=tfds_info.image_shape, num_classes=tfds_info.num_classes,
       num_train_examples=tfds_info.num_train_examples,
@@ -128,7 +130,7 @@ def test_torchvision_mnist_equals_tfds(torchvision_root, tfds_data_dir, tfds_spl
 
 
 def test_huggingface_local_dataset(huggingface_dir, tfds_splits):
-  data = input_pipeline.open_data(_config(data_source='huggingface', dataset=huggingface_dir))
+  data = conftest.open_data(_config(data_source='huggingface', dataset=huggingface_dir))
   info, load_split = data.info, data.source.load_split
   assert info == base.DatasetInfo(name=huggingface_dir, image_shape=(28, 28, 1),
                                   num_classes=10, num_train_examples=12_800,
@@ -147,11 +149,11 @@ def test_missing_data_says_where_it_looked(tmp_path):
   requires_extras('torchvision', 'datasets')
   config = _config(data_source='torchvision', dataset='MNIST', data_dir=str(tmp_path))
   with pytest.raises(errors.DataError) as error:
-    data_sources.open_source(config)
+    conftest.open_source(config)
   assert error.value.what == str(tmp_path / 'MNIST')
   missing = str(tmp_path / 'no_such_dataset')
   with pytest.raises(errors.DataError) as error:
-    data_sources.open_source(_config(data_source='huggingface', dataset=missing))
+    conftest.open_source(_config(data_source='huggingface', dataset=missing))
   assert error.value.what == missing
 
 
@@ -164,7 +166,7 @@ def test_missing_optional_package_names_it(monkeypatch, tmp_path, key, value, pa
   monkeypatch.setitem(sys.modules, package, None)  # Makes `import <package>` fail.
   config = _config(**{key: value}, dataset='MNIST', data_dir=str(tmp_path / 'no_data_here'))
   with pytest.raises(errors.MissingPackage) as error:
-    train.train_and_evaluate(config, str(tmp_path / 'workdir'))
+    train.train_and_evaluate(run_spec.resolve(config), str(tmp_path / 'workdir'))
   assert (error.value.key, error.value.value, error.value.package) == (key, value, package)
   assert not (tmp_path / 'no_data_here').exists()
 
@@ -176,7 +178,7 @@ def test_missing_optional_package_names_it(monkeypatch, tmp_path, key, value, pa
 def test_bad_torchvision_values(overrides, key):
   requires_extras('torchvision')
   with pytest.raises(errors.ConfigError) as error:
-    data_sources.open_source(_config(**overrides))
+    conftest.open_source(_config(**overrides))
   assert (error.value.key, error.value.value) == (key, overrides.get(key))
 
 
@@ -197,7 +199,7 @@ def test_torch_batches_match_the_tf_pipeline():
 
   def batches(start_epoch=0, **overrides):
     config = _config(batch_size=8, num_epochs=2, **overrides)
-    return list(input_pipeline.train_batches(split, data, config, 8, start_epoch))
+    return list(input_pipeline.train_batches(split, data, run_spec.resolve(config).input, 8, start_epoch))
 
   torch_batches, tf_batches = batches(input_backend='torch'), batches()
   layout = lambda batch: {key: (value.shape, value.dtype) for key, value in batch.items()}
@@ -243,7 +245,7 @@ def test_short_runs_through_huggingface_and_the_torch_backend(torchvision_root, 
   }
   for name, config in runs.items():
     config.num_epochs = 1
-    metrics = train.train_and_evaluate(config, str(tmp_path / name))
+    metrics = train.train_and_evaluate(run_spec.resolve(config), str(tmp_path / name))
     assert metrics['eval/accuracy'] > 0.9, (name, metrics)
 
 
@@ -275,22 +277,22 @@ def test_a_prepared_tfds_dataset_loads_by_name_and_data_dir(custom_tfds_dir):
   overrides = dict(dataset='shapes_custom', data_dir=custom_tfds_dir, preprocess='resize(16)',
                    batch_size=8, num_epochs=1, shuffle_buffer_size=8)
   config = _config(**overrides)
-  data = input_pipeline.open_data(config)  # Not in tfds.list_builders(), but TFDS can load it.
+  data = conftest.open_data(config)  # Not in tfds.list_builders(), but TFDS can load it.
   assert data.source.image_shape == (None, None, 3)
   with pytest.raises(errors.DataError):  # Varying sizes need a resize.
-    input_pipeline.open_data(_config(**{**overrides, 'preprocess': ''}))
+    conftest.open_data(_config(**{**overrides, 'preprocess': ''}))
   assert data.info == base.DatasetInfo(
       name='shapes_custom', image_shape=(16, 16, 3), num_classes=3, num_train_examples=40,
       num_eval_examples=12, class_names=tuple(image_folders.SHAPES))
   # Varying sizes, resized as decoded: in memory and streamed, the same examples in an epoch.
-  in_memory = input_pipeline.open_split(data, 'train', _config(**overrides, in_memory='always'))
-  streamed = input_pipeline.open_split(data, 'train', _config(**overrides, in_memory='never'))
+  in_memory = input_pipeline.open_split(data, 'train', run_spec.resolve(_config(**overrides, in_memory='always')).input)
+  streamed = input_pipeline.open_split(data, 'train', run_spec.resolve(_config(**overrides, in_memory='never')).input)
   assert in_memory.images.shape == (40, 16, 16, 3)
-  epochs = [sorted(image.tobytes() for batch in input_pipeline.train_batches(split, data, config, 8)
+  epochs = [sorted(image.tobytes() for batch in input_pipeline.train_batches(split, data, run_spec.resolve(config).input, 8)
                    for image in batch['image'])
             for split in (in_memory, streamed)]
   assert len(epochs[0]) == 40 and epochs[0] == epochs[1]
   # A name that is neither registered nor prepared there is still refused.
   with pytest.raises(errors.ConfigError) as error:
-    data_sources.open_source(_config(**{**overrides, 'dataset': 'shapes_kustom'}))
+    conftest.open_source(_config(**{**overrides, 'dataset': 'shapes_kustom'}))
   assert (error.value.key, error.value.value) == ('dataset', 'shapes_kustom')

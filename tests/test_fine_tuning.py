@@ -16,14 +16,15 @@ import preprocessing
 from preprocessing import mix
 import train
 from training import checkpointing
-from training import config_checks
 from training import losses
 from training import optimizers
 from training import state as state_lib
+from training import run_spec
 from test_plugins import _config as stripes_config
 from test_train import INFO
 from test_train import create
 from test_train import random_batch
+import conftest
 
 
 def _weights(model):
@@ -36,14 +37,14 @@ def test_init_from_loads_matching_weights_and_reinitialises_a_new_head(tmp_path)
   source.update(model='cnn', loss='cross_entropy', optimizer='sgd', preprocess='', num_epochs=1,
                 evaluators='loss|accuracy', best_metric='eval/accuracy', ema_decay=0.5)
   source.model_options.cnn.update(conv1_features=4, conv2_features=8, hidden_features=16)
-  train.train_and_evaluate(source, str(tmp_path / 'source'))
+  train.train_and_evaluate(run_spec.resolve(source), str(tmp_path / 'source'))
   saved = checkpointing.read_state(checkpointing.checkpoint_path(str(tmp_path / 'source')))
 
   # The same model with 3 classes: everything but the head comes from the EMA of the source.
   target = default.get_config()
   target.model_options.cnn.update(conv1_features=4, conv2_features=8, hidden_features=16)
   info = INFO.__class__(**{**INFO.__dict__, 'image_shape': (8, 8, 1), 'num_classes': 3})
-  state = state_lib.create(target, info, 10)
+  state = conftest.create_state(target, info, 10)
   loaded, fresh = checkpointing.init_weights(
       state.model, checkpointing.checkpoint_path(str(tmp_path / 'source')))
   assert sorted(fresh) == ['linear2.bias ((3,), (2,) there)',
@@ -60,7 +61,7 @@ def test_init_from_loads_matching_weights_and_reinitialises_a_new_head(tmp_path)
              dataset='s', eval_split='test', batch_size=16, num_epochs=1)
   mlp.data_source_options.stripes_for_test = {'size': 8}
   with pytest.raises(errors.ConfigError) as error:
-    train.train_and_evaluate(mlp, str(tmp_path / 'mlp'))
+    train.train_and_evaluate(run_spec.resolve(mlp), str(tmp_path / 'mlp'))
   assert error.value.key == 'init_from'
 
 
@@ -122,7 +123,7 @@ def test_mixed_batches_carry_soft_targets_and_train():
   split = input_pipeline.base.Split(images=rng.integers(0, 256, (32, 28, 28, 1), np.uint8),
                                     labels=rng.integers(0, 10, 32).astype(np.int32))
   data = input_pipeline.Data(None, preprocessing.parse(''), INFO)
-  batch = next(input_pipeline.train_batches(split, data, config, 8))
+  batch = next(input_pipeline.train_batches(split, data, run_spec.resolve(config).input, 8))
   assert batch['target'].shape == (8, 10)
   np.testing.assert_allclose(batch['target'].sum(1), 1, rtol=1e-6)
   state, train_step = create(mixup_alpha=0.2, cutmix_alpha=1.0,
@@ -152,9 +153,9 @@ def test_the_last_epochs_train_on_unmixed_images_with_one_hot_targets():
   split = input_pipeline.base.Split(images=rng.integers(0, 256, (16, 28, 28, 1), np.uint8),
                                     labels=rng.integers(0, 10, 16).astype(np.int32))
   data = input_pipeline.Data(None, preprocessing.parse(config.preprocess), INFO)
-  batches = list(input_pipeline.train_batches(split, data, config, 8))
+  batches = list(input_pipeline.train_batches(split, data, run_spec.resolve(config).input, 8))
   config.update(mixup_alpha=0.0, cutmix_alpha=0.0)
-  unmixed = list(input_pipeline.train_batches(split, data, config, 8))
+  unmixed = list(input_pipeline.train_batches(split, data, run_spec.resolve(config).input, 8))
   assert len(batches) == len(unmixed) == 6
   for number, (batch, plain) in enumerate(zip(batches, unmixed)):
     one_hot = np.eye(10)[batch['label']]
@@ -176,15 +177,15 @@ def test_any_optax_optimizer_by_name_clipping_and_schedules():
   config.update(optimizer='lamb', learning_rate=1e-3)
   config.optimizer_options.lamb = {'beta': 0.5}
   with pytest.raises(errors.ConfigError) as error:
-    config_checks.check_config(config)
+    run_spec.resolve(config)
   assert error.value.key == 'optimizer_options.lamb.beta'
   config = default.get_config()
   config.update(num_epochs=4, learning_rate=1.0, schedule='step')
-  schedule = optimizers.create_learning_rate_schedule(config, steps_per_epoch=10)
+  schedule = run_spec.resolve(config).optimization.learning_rate_schedule(steps_per_epoch=10)
   assert [float(schedule(step)) for step in (0, 19, 20, 30, 39)] == pytest.approx(
       [1.0, 1.0, 0.1, 0.01, 0.01])
   config.schedule = 'linear'
-  schedule = optimizers.create_learning_rate_schedule(config, steps_per_epoch=10)
+  schedule = run_spec.resolve(config).optimization.learning_rate_schedule(steps_per_epoch=10)
   assert float(schedule(20)) == pytest.approx(0.5)
   # Weight decay spares biases and normalisation scales.
   mask = optimizers.decay_mask(nnx.state(state.model, nnx.Param))
@@ -199,5 +200,5 @@ def test_bad_values_name_the_key(key, value):
   config = default.get_config()
   config[key] = value
   with pytest.raises(errors.ConfigError) as error:
-    config_checks.check_config(config)
+    run_spec.resolve(config)
   assert error.value.key == key

@@ -16,8 +16,10 @@ from data_sources import base
 from data_sources import folder_source
 import image_folders
 import input_pipeline
+from training import run_spec
 import preprocessing
 from preprocessing import resize as resize_ops
+import conftest
 
 # PIL's and TensorFlow's JPEG decoders differ in chroma upsampling and rounding.
 _JPEG_TOLERANCE = 8
@@ -39,7 +41,7 @@ def _config(root, **overrides):
 
 
 def _data(root, **overrides):
-  return input_pipeline.open_data(_config(root, **overrides))
+  return conftest.open_data(_config(root, **overrides))
 
 
 def test_classes_sizes_channels_and_skipped_files(shapes_root, caplog):
@@ -97,7 +99,7 @@ def test_one_size_needs_no_resize(tmp_path):
                                    corrupt=False)
   data = _data(root, preprocess='')
   assert data.info.image_shape == (10, 10, 3)
-  split = input_pipeline.open_split(data, 'train', _config(root, preprocess=''))
+  split = input_pipeline.open_split(data, 'train', run_spec.resolve(_config(root, preprocess='')).input)
   assert split.images.shape == (9, 10, 10, 3) and split.images.dtype == np.uint8
 
 
@@ -119,10 +121,10 @@ def _rows(images):
 
 def test_slices_partition_a_split_and_mix_classes(shapes_root):
   config = _config(shapes_root, in_memory='always')
-  data = input_pipeline.open_data(config)
-  halves = [input_pipeline.open_split(data, spec, config)
+  data = conftest.open_data(config)
+  halves = [input_pipeline.open_split(data, spec, run_spec.resolve(config).input)
             for spec in ('train[:50%]', 'train[50%:]')]
-  whole = input_pipeline.open_split(data, 'train', config)
+  whole = input_pipeline.open_split(data, 'train', run_spec.resolve(config).input)
   assert [len(half.labels) for half in halves] == [36, 36]
   assert all(len(set(half.labels)) == 3 for half in halves)  # Hash order mixes the classes.
   assert _rows(np.concatenate([half.images for half in halves])) == _rows(whole.images)
@@ -149,14 +151,14 @@ def test_bad_layouts_are_data_errors_naming_the_folder(tmp_path, make, what):
   root = str(tmp_path / 'data')
   make(root)
   with pytest.raises(errors.DataError) as error:
-    data_sources.open_source(_config(root))
+    conftest.open_source(_config(root))
   assert error.value.what == os.path.join(root, what).rstrip('/')
 
 
 def test_missing_root_and_mistyped_split(shapes_root, tmp_path):
   missing = str(tmp_path / 'nowhere')
   with pytest.raises(errors.ConfigError) as error:
-    data_sources.open_source(_config(missing))
+    conftest.open_source(_config(missing))
   assert (error.value.key, error.value.value) == ('dataset', missing)
   with pytest.raises(errors.ConfigError) as error:
     _data(shapes_root, train_split='trian')
@@ -254,7 +256,7 @@ def test_rare_and_missing_classes_are_named_at_start(tmp_path, caplog):
 
 def _epochs(split, config, start_epoch=0, start_step=0):
   data = input_pipeline.Data(None, preprocessing.parse(config.preprocess), None)
-  batches = list(input_pipeline.train_batches(split, data, config, config.batch_size,
+  batches = list(input_pipeline.train_batches(split, data, run_spec.resolve(config).input, config.batch_size,
                                               start_epoch, start_step))
   images = np.concatenate([batch['image'] for batch in batches])
   return images.reshape(config.num_epochs - start_epoch, -1, 16, 16, 3)
@@ -262,8 +264,8 @@ def _epochs(split, config, start_epoch=0, start_step=0):
 
 def test_streamed_and_in_memory_give_the_same_examples_per_epoch(shapes_root):
   data = _data(shapes_root)
-  memory = input_pipeline.open_split(data, 'train', _config(shapes_root, in_memory='always'))
-  streamed = input_pipeline.open_split(data, 'train', _config(shapes_root, in_memory='never'))
+  memory = input_pipeline.open_split(data, 'train', run_spec.resolve(_config(shapes_root, in_memory='always')).input)
+  streamed = input_pipeline.open_split(data, 'train', run_spec.resolve(_config(shapes_root, in_memory='never')).input)
   assert isinstance(memory, base.Split) and isinstance(streamed, input_pipeline.Streamed)
   config = _config(shapes_root)
   in_memory_epochs, streamed_epochs = _epochs(memory, config), _epochs(streamed, config)
@@ -277,9 +279,9 @@ def test_streamed_and_in_memory_give_the_same_examples_per_epoch(shapes_root):
 def test_streamed_resume_gives_the_uninterrupted_batches(shapes_root):
   config = _config(shapes_root, in_memory='never', num_epochs=3,
                    preprocess='resize(16)|translate(2)|flip_lr')
-  data = input_pipeline.open_data(config)
-  streamed = input_pipeline.open_split(data, 'train', config)
-  batches = lambda *start: list(input_pipeline.train_batches(streamed, data, config, 8, *start))
+  data = conftest.open_data(config)
+  streamed = input_pipeline.open_split(data, 'train', run_spec.resolve(config).input)
+  batches = lambda *start: list(input_pipeline.train_batches(streamed, data, run_spec.resolve(config).input, 8, *start))
   full, resumed = batches(), batches(1, 3)  # 9 batches per epoch.
   assert len(full) == 27 and len(resumed) == 15
   for got, want in zip(resumed, full[12:]):
@@ -289,11 +291,11 @@ def test_streamed_resume_gives_the_uninterrupted_batches(shapes_root):
 
 def test_streamed_eval_batches_read_every_example_once_per_pass(shapes_root):
   data = _data(shapes_root)
-  memory = input_pipeline.open_split(data, 'test', _config(shapes_root, in_memory='always'))
-  streamed = input_pipeline.open_split(data, 'test', _config(shapes_root, in_memory='never'))
+  memory = input_pipeline.open_split(data, 'test', run_spec.resolve(_config(shapes_root, in_memory='always')).input)
+  streamed = input_pipeline.open_split(data, 'test', run_spec.resolve(_config(shapes_root, in_memory='never')).input)
   expected = input_pipeline.eval_batches(memory, data.preprocess, batch_size=10, num_batches=4)
   batches = input_pipeline.eval_batches(streamed, data.preprocess, batch_size=10, num_batches=4)
-  assert isinstance(batches, input_pipeline.StreamedBatches)
+  assert isinstance(batches, input_pipeline.EvalBatches)
   for _ in range(2):  # Every pass reads the split again, in the same order.
     got = list(batches)
     assert len(got) == 4 and sum(int(batch['mask'].sum()) for batch in got) == 24

@@ -16,7 +16,8 @@ import input_pipeline
 from modes import evaluate
 import preprocessing
 import train
-from training import config_checks
+from training import run_spec
+import conftest
 
 
 def _split(num_examples, image_shape=(6, 5, 1), seed=0):
@@ -42,7 +43,7 @@ def _with(config, **changes):
 
 def _batches(split, config, start_epoch=0, start_step=0, augment=True):
   data = input_pipeline.Data(None, preprocessing.parse(config.preprocess), None)
-  return list(input_pipeline.train_batches(split, data, config, config.batch_size, start_epoch,
+  return list(input_pipeline.train_batches(split, data, run_spec.resolve(config).input, config.batch_size, start_epoch,
                                            start_step, augment))
 
 
@@ -103,7 +104,7 @@ def test_mid_epoch_start_step_gives_the_remaining_batches(backend):
 
 def test_eval_counts_every_example_exactly_once():
   split = _split(1003)
-  batches = input_pipeline.eval_batches(split, preprocessing.parse(''), batch_size=100)
+  batches = list(input_pipeline.eval_batches(split, preprocessing.parse(''), batch_size=100))
   assert len(batches) == 11
   assert all(batch['image'].shape == (100, 6, 5, 1) for batch in batches)
   real = np.concatenate([batch['label'][batch['mask']] for batch in batches])
@@ -113,7 +114,7 @@ def test_eval_counts_every_example_exactly_once():
 
 
 def test_real_mnist_info_and_splits(tfds_data_dir):
-  data = input_pipeline.open_data(_config(data_dir=tfds_data_dir))
+  data = conftest.open_data(_config(data_dir=tfds_data_dir))
   assert data.info == base.DatasetInfo(name='mnist', image_shape=(28, 28, 1), num_classes=10,
                                        num_train_examples=60_000, num_eval_examples=10_000,
                                        class_names=tuple('0123456789'))
@@ -160,7 +161,7 @@ def test_unprepared_offline_dataset_names_the_manual_dir(tmp_path, monkeypatch):
 def test_bad_input_values_are_config_errors_naming_the_key(overrides, key):
   config = _config(**overrides)
   with pytest.raises(errors.ConfigError) as error:
-    config_checks.check_config(config)
+    run_spec.resolve(config)
   assert (error.value.key, error.value.value) == (key, config[key])
 
 
@@ -174,17 +175,17 @@ def test_sources_and_backends_that_cannot_serve_the_input(overrides, key, packag
   # the first problem reported is that it is missing (tests/test_data_sources.py).
   requires_extras(package)
   with pytest.raises(errors.ConfigError) as error:
-    config_checks.check_config(_config(**overrides))
+    run_spec.resolve(_config(**overrides))
   assert error.value.key == key
   assert not isinstance(error.value, errors.MissingPackage)
 
 
 def test_random_ops_must_keep_the_model_input_size(tfds_data_dir):
   with pytest.raises(errors.ConfigError) as error:  # A 32x32 crop of 28x28 images.
-    input_pipeline.open_data(_config(data_dir=tfds_data_dir,
+    conftest.open_data(_config(data_dir=tfds_data_dir,
                                      preprocess='random_crop(32, pad=4)|flip_lr'))
   assert error.value.key == 'preprocess'
-  data = input_pipeline.open_data(_config(data_dir=tfds_data_dir,
+  data = conftest.open_data(_config(data_dir=tfds_data_dir,
                                           preprocess='resize(32)|random_crop(32, pad=4)'))
   assert data.info.image_shape == (32, 32, 1)
 
@@ -220,10 +221,9 @@ def test_augmented_batches_are_seeded_and_resume_exactly():
 def test_tfds_streaming_gives_the_in_memory_examples_and_resumes_exactly(tfds_data_dir):
   config = _config(data_dir=tfds_data_dir, train_split='train[:512]', batch_size=64,
                    shuffle_buffer_size=128)
-  data = input_pipeline.open_data(config)
-  streamed = input_pipeline.open_split(data, config.train_split,
-                                       _with(config, in_memory='never'))
-  in_memory = input_pipeline.open_split(data, config.train_split, config)
+  data = conftest.open_data(config)
+  streamed = input_pipeline.open_split(data, config.train_split, run_spec.resolve(_with(config, in_memory='never')).input)
+  in_memory = input_pipeline.open_split(data, config.train_split, run_spec.resolve(config).input)
   assert isinstance(streamed, input_pipeline.Streamed) and streamed.num_examples == 512
   full = _batches(streamed, config)  # 8 batches per epoch.
   epochs = [_batches(split, config) for split in (in_memory, streamed)]
@@ -241,9 +241,9 @@ def test_a_streamed_run_trains_evaluates_and_draws_eval_images(tfds_data_dir, tm
   config = _config(data_dir=tfds_data_dir, in_memory='never', train_split='train[:256]',
                    eval_split='test[:200]', batch_size=32, num_epochs=1, eval_batch_size=64,
                    evaluators='loss|accuracy|misclassified(4)', log_every_steps=4)
-  metrics = train.train_and_evaluate(config, str(tmp_path))
+  metrics = train.train_and_evaluate(run_spec.resolve(config), str(tmp_path))
   # The streamed eval scores what the in-memory eval scores.
-  in_memory = evaluate.evaluate_checkpoint(_with(config, in_memory='always'),
+  in_memory = evaluate.evaluate_checkpoint(run_spec.resolve(_with(config, in_memory='always')),
                                            str(tmp_path))
   assert in_memory['eval/accuracy'] == pytest.approx(metrics['eval/accuracy'], abs=1e-6)
   assert in_memory['eval/loss'] == pytest.approx(metrics['eval/loss'], rel=1e-5)

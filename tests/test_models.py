@@ -14,14 +14,14 @@ from benchmarks import reference_mnist
 from configs import cifar10
 from configs import default
 import image_folders
-from training import config_checks
+from training import run_spec
 
 
 def _create(name, image_shape=(28, 28, 1), num_classes=10, seed=0, **config_overrides):
   config = default.get_config()
   config.model = name
   config.update(config_overrides)
-  return models.create_model(config, image_shape, num_classes, nnx.Rngs(seed))
+  return run_spec.resolve(config).model.build(image_shape, num_classes, nnx.Rngs(seed))
 
 
 def _count(model, kind):
@@ -89,13 +89,13 @@ def test_model_options_come_from_the_config():
   config = default.get_config()
   config.model_options.cnn.update(conv1_features=8, conv2_features=16, hidden_features=32,
                                   dropout_rate=0.5)
-  model = models.create_model(config, (28, 28, 1), 10, nnx.Rngs(0))
+  model = run_spec.resolve(config).model.build((28, 28, 1), 10, nnx.Rngs(0))
   assert model.conv2.kernel.shape == (3, 3, 8, 16)
   assert model.linear1.kernel.shape == (7 * 7 * 16, 32)
   assert model.dropout1.rate == model.dropout2.rate == 0.5
   config.model = 'mlp'
   config.model_options.mlp.hidden_features = (64, 32, 16)
-  model = models.create_model(config, (28, 28, 1), 10, nnx.Rngs(0))
+  model = run_spec.resolve(config).model.build((28, 28, 1), 10, nnx.Rngs(0))
   assert [linear.kernel.shape for linear in model.linears] == [(784, 64), (64, 32), (32, 16),
                                                                (16, 10)]
 
@@ -138,12 +138,12 @@ def test_cnn_eval_mode_is_deterministic_and_freezes_batch_stats():
 
 def test_unknown_model_and_option_are_config_errors_naming_the_key():
   with pytest.raises(errors.ConfigError) as error:
-    _create('resnet50')
-  assert (error.value.key, error.value.value) == ('model', 'resnet50')
+    _create('resnet5000')
+  assert (error.value.key, error.value.value) == ('model', 'resnet5000')
   config = default.get_config()
   config.model_options.cnn.width = 3
   with pytest.raises(errors.ConfigError) as error:
-    config_checks.check_config(config)
+    run_spec.resolve(config)
   assert (error.value.key, error.value.value) == ('model_options.cnn.width', 3)
 
 
@@ -153,12 +153,12 @@ def test_cifar10_recipe_trains_on_generated_colour_images(tmp_path):
   image_folders.make_shapes_folder(root, {'train': 32, 'test': 8}, image_sizes=(32, 32),
                                    gray_every=1000, corrupt=False)
   config = cifar10.get_config()
-  config_checks.check_config(config)  # The recipe itself is valid as written.
+  run_spec.resolve(config)  # The recipe itself is valid as written.
   config.update(dict(data_source='folder', dataset=root, eval_split='test', batch_size=16,
                      eval_batch_size=24, num_epochs=5, learning_rate=0.05,
                      evaluators='loss|accuracy'))
   config.model_options.resnet.update(widths=(8, 16, 32), blocks_per_stage=1)
-  metrics = train.train_and_evaluate(config, str(tmp_path / 'workdir'))
+  metrics = train.train_and_evaluate(run_spec.resolve(config), str(tmp_path / 'workdir'))
   assert metrics['eval/accuracy'] >= 0.6, metrics  # 3 classes: chance is 1/3.
   assert metrics['train/loss_epoch'] < np.log(3), metrics
 
@@ -167,13 +167,13 @@ def test_mlp_input_scale_and_init_stddev_options():
   config = default.get_config()
   config.model = 'mlp'
   config.model_options.mlp.update(input_scale=255.0, init_stddev=0.01)
-  model = models.create_model(config, (28, 28, 1), 10, nnx.Rngs(0))
+  model = run_spec.resolve(config).model.build((28, 28, 1), 10, nnx.Rngs(0))
   biases = jnp.concatenate([linear.bias[...] for linear in model.linears])  # 1,034 values.
   for values in (*(linear.kernel[...] for linear in model.linears), biases):  # N(0, 0.01^2).
     assert abs(float(values.std()) - 0.01) < 0.001 and abs(float(values.mean())) < 0.001
   plain = default.get_config()
   plain.model = 'mlp'
-  unscaled = models.create_model(plain, (28, 28, 1), 10, nnx.Rngs(0))
+  unscaled = run_spec.resolve(plain).model.build((28, 28, 1), 10, nnx.Rngs(0))
   nnx.update(unscaled, nnx.state(model))
   images = np.random.default_rng(0).random((2, 28, 28, 1), np.float32)
   np.testing.assert_allclose(model(images), unscaled(images * 255.0), rtol=1e-5, atol=1e-5)

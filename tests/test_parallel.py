@@ -14,7 +14,7 @@ from core import errors
 from data_sources import base
 import input_pipeline
 import preprocessing
-from training import config_checks
+from training import run_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,13 +27,14 @@ import json, sys
 import jax, numpy as np
 from flax import nnx
 import input_pipeline
-from training import evaluation, evaluators, losses, parallel, state as state_lib
+from training import evaluation, evaluators, parallel, run_spec, state as state_lib
 from configs import default
 
 config = default.get_config()
 config.data_dir = sys.argv[1]
 config.eval_batch_size = 1001  # Rounded up to 1004 on 4 devices: padding must stay masked.
-data = input_pipeline.open_data(config)
+run = run_spec.resolve(config)
+data = input_pipeline.open_data(run.input, run.eval_splits())
 split = data.source.load_split('train[:384]')
 batches = {'image': split.images.reshape(3, 128, 28, 28, 1).astype(np.float32) / 255,
            'label': split.labels.reshape(3, 128)}
@@ -47,17 +48,21 @@ for name, mesh in (('one', jax.make_mesh((1,), ('data',), axis_types=auto,
                                          devices=jax.devices()[:1])),
                    ('four', parallel.create_mesh())):
   with jax.set_mesh(mesh):
-    state = state_lib.create(config, data.info, steps_per_epoch=3)
-    train_step = state_lib.make_train_step(losses.LOSSES.create(config, 10))
+    state = state_lib.create(run.model, data.info, run.optimization,
+                             run.optimization.learning_rate_schedule(3), seed=run.seed)
+    train_step = state_lib.make_train_step(run.loss(10))
     for step in range(3):
       if step == 1:
         compiles.clear()
       batch = parallel.shard(jax.tree.map(lambda x: x[step], batches), mesh)
       train_step(state, batch)
     later_compiles = len(compiles)
-    result = evaluation.Evaluation('eval', evaluators.create('loss|accuracy|per_class'),
-                                   data.info, 10_000).run(state.eval_model(), parallel.eval_batches(
-        data, config.eval_split, 10_000, config, mesh))
+    result = evaluation.Evaluation(
+        'eval', config.eval_split, evaluators.create('loss|accuracy|per_class'),
+        data.preprocess).run(state.eval_model(), input_pipeline.open_eval_batches(
+            data, run.input, config.eval_split, 10_000,
+            parallel.round_up(run.eval_batch_size, mesh), place=lambda b: parallel.shard(b, mesh)),
+            data.info)
   out[name] = {**state.epoch.results(), **result.scalars,
                'support': int(result.per_class['support'].sum()),
                'later_train_compiles': later_compiles,
@@ -102,10 +107,10 @@ def test_batch_size_must_divide_by_the_device_count():
   config.batch_size = 130
   info = base.DatasetInfo('mnist', (28, 28, 1), 10, 60_000, 10_000)
   with pytest.raises(errors.ConfigError) as error:
-    config_checks.check_against_data(config, info, num_devices=4)
+    run_spec.resolve(config).check_against_data(info, num_devices=4)
   assert (error.value.key, error.value.value) == ('batch_size', 130)
   assert 'such as 132' in str(error.value)
-  config_checks.check_against_data(config, info, num_devices=2)
+  run_spec.resolve(config).check_against_data(info, num_devices=2)
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from training import evaluators
 from training import losses
 from training import optimizers
 from training import summaries
+from training import run_spec
 
 
 @models.MODELS.register('tiny_for_test')
@@ -115,7 +116,7 @@ def _config():
 
 
 def test_one_of_each_kind_trains_from_the_config_alone(tmp_path):
-  metrics = train.train_and_evaluate(_config(), str(tmp_path))
+  metrics = train.train_and_evaluate(run_spec.resolve(_config()), str(tmp_path))
   assert metrics['eval/accuracy'] >= 0.9, metrics  # Stripes' orientation, from any phase.
   assert 0.5 <= metrics['eval/mean_confidence'] <= 1.0
   written = summaries.read_metrics(str(tmp_path))
@@ -134,5 +135,5 @@ def test_their_options_are_checked_by_their_signatures(tmp_path, section, option
   config = _config()
   config[section].update(options)
   with pytest.raises(errors.ConfigError) as error:
-    train.train_and_evaluate(config, str(tmp_path))
+    train.train_and_evaluate(run_spec.resolve(config), str(tmp_path))
   assert error.value.key == key

@@ -20,6 +20,8 @@ from modes import export
 from modes import predict
 import train
 from training import workdirs
+from training import run_spec
+import conftest
 
 CLASSES = ('centre', 'left half', 'top')
 
@@ -39,7 +41,7 @@ def trained(tmp_path_factory):
   root = str(tmp_path_factory.mktemp('data') / 'shapes')
   files = image_folders.make_shapes_folder(root, {'train': 24, 'test': 8})
   workdir = str(tmp_path_factory.mktemp('workdir'))
-  metrics = train.train_and_evaluate(_config(root), workdir)
+  metrics = train.train_and_evaluate(run_spec.resolve(_config(root)), workdir)
   return root, files, workdir, metrics
 
 
@@ -51,8 +53,8 @@ def _read(path):
 def test_predictions_agree_with_eval_and_name_the_classes(trained, capsys):
   root, files, workdir, metrics = trained
   assert metrics['eval/accuracy'] >= 0.6, metrics  # 3 classes: chance is 1/3.
-  evaluated = evaluate.evaluate_checkpoint(_config(root), workdir)
-  path = predict.predict(_config(root), workdir, os.path.join(root, 'test'))
+  evaluated = evaluate.evaluate_checkpoint(run_spec.resolve(_config(root)), workdir)
+  path = predict.predict(run_spec.resolve(_config(root)), workdir, os.path.join(root, 'test'))
   assert path == os.path.join(workdir, 'predictions.csv')
   header, *rows = _read(path)
   assert header == ['file', 'class', 'probability']
@@ -70,10 +72,10 @@ def test_predictions_agree_with_eval_and_name_the_classes(trained, capsys):
 def test_predict_needs_no_data_skips_unreadable_files_and_takes_globs(trained, tmp_path):
   root, files, workdir, _ = trained
   config = _config(str(tmp_path / 'the_data_is_gone'))  # The saved dataset info suffices.
-  path = predict.predict(config, workdir, os.path.join(root, 'train', 'left half'))
+  path = predict.predict(run_spec.resolve(config), workdir, os.path.join(root, 'train', 'left half'))
   rows = _read(path)[1:]
   assert len(rows) == 24  # broken.png and notes.txt skipped.
-  path = predict.predict(config, workdir, os.path.join(root, 'test', '*', '00[01].*'))
+  path = predict.predict(run_spec.resolve(config), workdir, os.path.join(root, 'test', '*', '00[01].*'))
   assert len(_read(path)) == 1 + 6
 
 
@@ -92,7 +94,7 @@ def test_predict_skips_damaged_files_by_name_and_reads_messy_ones(trained, tmp_p
   (inputs / 'empty.png').write_bytes(b'')
   rgba = Image.open(good[1]).convert('RGBA')
   rgba.save(inputs / 'transparent.png')
-  path = predict.predict(_config(root), workdir, str(inputs))
+  path = predict.predict(run_spec.resolve(_config(root)), workdir, str(inputs))
   predicted = {os.path.relpath(row[0], inputs) for row in _read(path)[1:]}
   assert predicted == {'nested/0.png', 'nested/1.png', 'nested/2.png', 'photo.jpg',
                        'transparent.png'}
@@ -103,18 +105,18 @@ def test_predict_bad_inputs_are_one_line_errors(trained, tmp_path):
   root, _, workdir, _ = trained
   config = _config(root)
   with pytest.raises(errors.FlagError) as error:
-    predict.predict(config, workdir, None)
+    predict.predict(run_spec.resolve(config), workdir, None)
   assert error.value.flag == 'inputs'
   (tmp_path / 'texts').mkdir()
   (tmp_path / 'texts' / 'a.txt').write_text('not an image')
   with pytest.raises(errors.FlagError) as error:
-    predict.predict(config, workdir, str(tmp_path / 'texts'))
+    predict.predict(run_spec.resolve(config), workdir, str(tmp_path / 'texts'))
   assert error.value.value == str(tmp_path / 'texts')
   # No checkpoint is the first problem reported, before the inputs are looked at.
   empty_workdir = str(tmp_path / 'untrained')
   os.makedirs(empty_workdir)
   with pytest.raises(errors.CheckpointError):
-    predict.predict(config, empty_workdir, str(tmp_path / 'texts'))
+    predict.predict(run_spec.resolve(config), empty_workdir, str(tmp_path / 'texts'))
   # A grayscale model refuses colour images.
   gray_workdir = str(tmp_path / 'gray_model')
   gray_config = _config(root)
@@ -123,25 +125,25 @@ def test_predict_bad_inputs_are_one_line_errors(trained, tmp_path):
   gray_info = base.DatasetInfo(name='digits', image_shape=(16, 16, 1), num_classes=3,
                                num_train_examples=12, num_eval_examples=1, class_names=CLASSES)
   workdirs.save_info(gray_workdir, gray_info)
-  state = train.state_lib.create(gray_config, gray_info, 1)
+  state = conftest.create_state(gray_config, gray_info, 1)
   checkpoints = train.checkpointing.Checkpoints(gray_workdir)
   checkpoints.save(1, state, {'epoch': 0, 'step_in_epoch': 1, 'steps_per_epoch': 1,
                               'hooks': {}})
   checkpoints.close()
   with pytest.raises(errors.FlagError) as error:
-    predict.predict(gray_config, gray_workdir, os.path.join(root, 'test'))
+    predict.predict(run_spec.resolve(gray_config), gray_workdir, os.path.join(root, 'test'))
   assert 'grayscale' in str(error.value)
 
 
 def test_saved_model_in_plain_tensorflow_classifies_as_predict(trained, tmp_path):
   root, files, workdir, _ = trained
-  path = export.export_saved_model(_config(root), workdir)
+  path = export.export_saved_model(run_spec.resolve(_config(root)), workdir)
   loaded = tf.saved_model.load(path)
   names = loaded.signatures['class_names']()['class_names'].numpy()
   assert tuple(name.decode() for name in names) == CLASSES
   test_files = [file for file, _ in files['test'] if not file.endswith('.gif')]
   predictions = {file: name for file, name, _ in
-                 _read(predict.predict(_config(root), workdir, os.path.join(root, 'test')))[1:]}
+                 _read(predict.predict(run_spec.resolve(_config(root)), workdir, os.path.join(root, 'test')))[1:]}
   # A plain python with TensorFlow only, on the raw files of mixed sizes, one at a time.
   script = textwrap.dedent(f"""
       import sys

@@ -29,6 +29,7 @@ import train
 from training import checkpointing
 from training import summaries
 from training import workdirs
+from training import run_spec
 from test_checkpointing import saved as _saved
 from test_parallel import free_port
 
@@ -63,7 +64,7 @@ def _assert_one_line_error(result, prefix):
 def trained(tfds_data_dir, tmp_path_factory):
   """A workdir after an uninterrupted 8-step run: checkpoints 4 and 8."""
   workdir = str(tmp_path_factory.mktemp('trained'))
-  train.train_and_evaluate(_config(tfds_data_dir), workdir)
+  train.train_and_evaluate(run_spec.resolve(_config(tfds_data_dir)), workdir)
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['4', '8']
   return workdir
 
@@ -94,7 +95,7 @@ def test_a_damaged_latest_checkpoint_is_moved_aside_and_the_previous_one_resumes
   checkpoints = os.path.join(workdir, 'checkpoints')
   _damage(os.path.join(checkpoints, '8'), how)
   with caplog.at_level(logging.WARNING):  # A second epoch: the run resumes (not finished).
-    train.train_and_evaluate(_config(tfds_data_dir, num_epochs=2), workdir)
+    train.train_and_evaluate(run_spec.resolve(_config(tfds_data_dir, num_epochs=2)), workdir)
   warnings = [record.getMessage() for record in caplog.records
               if 'does not restore' in record.getMessage()]
   assert len(warnings) == 1 and warnings[0].startswith('The checkpoint at step 8 does not '
@@ -116,7 +117,7 @@ def test_when_no_checkpoint_restores_the_run_stops_with_one_line(trained, tfds_d
   for step in ('4', '8'):
     _damage(os.path.join(checkpoints, step), 'deleted manifest')
   with pytest.raises(errors.CheckpointError) as error:
-    train.train_and_evaluate(_config(tfds_data_dir, num_epochs=2), workdir)
+    train.train_and_evaluate(run_spec.resolve(_config(tfds_data_dir, num_epochs=2)), workdir)
   assert error.value.directory == checkpoints
   assert '(steps 8, 4)' in str(error.value) and f'{checkpoints}/corrupt' in str(error.value)
   assert sorted(os.listdir(os.path.join(checkpoints, 'corrupt'))) == ['4', '8']
@@ -191,10 +192,10 @@ def test_resuming_with_a_changed_learning_rate_warns_and_a_changed_batch_size_is
     trained, tfds_data_dir, tmp_path, caplog):
   workdir = _copy(trained, tmp_path)
   with pytest.raises(errors.ConfigError) as error:
-    train.train_and_evaluate(_config(tfds_data_dir, batch_size=64), workdir)
+    train.train_and_evaluate(run_spec.resolve(_config(tfds_data_dir, batch_size=64)), workdir)
   assert (error.value.key, error.value.value) == ('batch_size', 64)
   with caplog.at_level(logging.WARNING):
-    train.train_and_evaluate(_config(tfds_data_dir, learning_rate=0.05, num_epochs=2), workdir)
+    train.train_and_evaluate(run_spec.resolve(_config(tfds_data_dir, learning_rate=0.05, num_epochs=2)), workdir)
   assert 'eval/accuracy' in summaries.read_metrics(workdir)[16]  # Trained the second epoch.
   assert any('with a changed config: config.learning_rate (0.1 -> 0.05), config.num_epochs '
              '(1 -> 2).' in record.getMessage() for record in caplog.records)
@@ -236,7 +237,7 @@ def test_a_save_that_fails_for_space_keeps_the_earlier_checkpoints_and_no_leftov
   monkeypatch.setattr(checkpointing.ocp.CheckpointManager, 'save', save_filling_the_disk)
   checkpoints = os.path.join(workdir, 'checkpoints')
   with pytest.raises(errors.StorageError) as error:
-    train.train_and_evaluate(_config(tfds_data_dir, num_epochs=2), workdir)
+    train.train_and_evaluate(run_spec.resolve(_config(tfds_data_dir, num_epochs=2)), workdir)
   assert (error.value.path, error.value.reason) == (checkpoints, 'No space left on device')
   assert 'The earlier checkpoints (steps 4, 8) are kept' in str(error.value)
   assert sorted(os.listdir(checkpoints)) == ['4', '8']
@@ -277,6 +278,34 @@ def test_a_full_disk_ends_in_one_line_and_the_rerun_resumes_after_space_is_freed
   assert 'a save may fail for lack of space' in full_log  # The start-up warning.
   assert freed.split()[0] == 'rc=0' and freed.split()[1:] == ['12', '16', '8']
   assert 'Restored checkpoint at step 8 ' in freed_log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('megabytes,kept', [(4, []), (4, []), (16, ['4', '8']), (16, ['4', '8'])])
+def test_a_full_disk_leaves_no_temporary_file_each_time(tfds_data_dir, tmp_path, megabytes, kept):
+  """A disk that takes no checkpoint (4 MB; one is 6.6 MB), or two
+  (16 MB), each twice: the run ends in one line naming what is kept, and leaves no temporary
+  file or directory anywhere in the workdir."""
+  if not _can_mount_tmpfs():
+    pytest.skip('needs `unshare -rm` and tmpfs mounts (user namespaces) to make a small disk')
+  mount = tmp_path / 'disk'
+  mount.mkdir()
+  workdir = mount / 'run'
+  command = ' '.join(f"'{arg}'" for arg in _main_command(workdir, tfds_data_dir,
+                                                         '--config.train_split=train[:512]'))
+  script = (f'mount -t tmpfs -o size={megabytes}m tmpfs {mount} && {{ {command}; echo "rc=$?"; '
+            f'ls {workdir}/checkpoints; echo "----"; find {workdir} -name "*tmp*"; }}')
+  result = subprocess.run(['unshare', '-rm', 'sh', '-c', script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+  listed, leftovers = result.stdout.split('----')
+  assert listed.split()[0] == 'rc=1', result.stderr[-3000:]
+  assert listed.split()[1:] == kept
+  assert not leftovers.split(), leftovers
+  assert 'Traceback' not in result.stderr, result.stderr[-3000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith('I/O error: ') and 'No space left on device' in last, last
+  assert (('The earlier checkpoints (steps 4, 8) are kept' in last) if kept
+          else ('No earlier checkpoint was saved' in last)), last
 
 
 @pytest.mark.slow

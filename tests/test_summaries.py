@@ -9,6 +9,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 from configs import default
 from training import pictures
+from training import run_spec
 from training import summaries
 
 
@@ -51,7 +52,8 @@ def test_jsonl_writer_and_reader(tmp_path):
 def test_write_config_hparams_and_text(tmp_path):
   config = default.get_config()  # data_dir is an unset placeholder (None): not an hparam.
   writer = metric_writers.create_default_writer(str(tmp_path))
-  summaries.write_config(writer, str(tmp_path), config, ['eval/accuracy', 'eval/loss'])
+  settings = run_spec.resolve(config).settings
+  summaries.write_config(writer, str(tmp_path), settings, ['eval/accuracy', 'eval/loss'])
   writer.flush()
   accumulator = event_accumulator.EventAccumulator(str(tmp_path))
   accumulator.Reload()

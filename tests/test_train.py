@@ -18,17 +18,20 @@ from training import losses
 from training import optimizers
 from training import parallel
 from training import state as state_lib
+from training import run_spec
+import conftest
 
 INFO = base.DatasetInfo(name='mnist', image_shape=(28, 28, 1), num_classes=10,
                         num_train_examples=3200, num_eval_examples=250)
+NO_OPS = preprocessing.parse('')  # Pixels scaled to [0, 1], nothing else.
 
 
 def create(**overrides):
   """A training state and its train step for the default config with `overrides`."""
   config = default.get_config()
   config.update(overrides)
-  state = state_lib.create(config, INFO, steps_per_epoch=100)
-  return state, state_lib.make_train_step(losses.LOSSES.create(config, INFO.num_classes))
+  state = conftest.create_state(config, INFO, steps_per_epoch=100)
+  return state, state_lib.make_train_step(run_spec.resolve(config).loss(INFO.num_classes))
 
 
 def random_batch(batch_size=32, seed=0):
@@ -51,7 +54,7 @@ def _loss_without_dropout(model, batch):
 def test_compiled_creation_equals_eager_creation():
   config = default.get_config()
   state, _ = create()
-  eager_model = models.create_model(config, (28, 28, 1), 10, nnx.Rngs(config.seed))
+  eager_model = run_spec.resolve(config).model.build((28, 28, 1), 10, nnx.Rngs(config.seed))
   # XLA's lowest optimisation level may round the initialisers' float maths differently.
   jax.tree.map(lambda a, b: np.testing.assert_allclose(key_data(a), key_data(b), rtol=1e-6,
                                                        atol=1e-7),
@@ -59,7 +62,7 @@ def test_compiled_creation_equals_eager_creation():
 
 
 def _eval_batches(split, batch_size):
-  return input_pipeline.eval_batches(split, preprocessing.parse(''), batch_size)
+  return input_pipeline.eval_batches(split, NO_OPS, batch_size)
 
 
 def test_steps_compiled_ahead_are_reused_and_change_nothing():
@@ -77,7 +80,7 @@ def test_steps_compiled_ahead_are_reused_and_change_nothing():
     for compile_ahead in (True, False):
       # Sizes no other test uses, so that no earlier compile is in the cache.
       state, train_step = create(batch_size=24)
-      split_eval = evaluation.Evaluation('eval', evaluators.create('loss|accuracy'), INFO, 70)
+      split_eval = evaluation.Evaluation('eval', 'test', evaluators.create('loss|accuracy'), NO_OPS)
       batch = parallel.shard(random_batch(24), mesh)
       if compile_ahead:
         compiles.clear()
@@ -85,11 +88,11 @@ def test_steps_compiled_ahead_are_reused_and_change_nothing():
             {'image': ((24, 28, 28, 1), np.float32), 'label': ((24,), np.int32)}, mesh)).compile()
         split_eval.compile(state.eval_model(), parallel.abstract_batch(
             {'image': ((40, 28, 28, 1), np.float32), 'label': ((40,), np.int32),
-             'mask': ((40,), np.bool_)}, mesh))
+             'mask': ((40,), np.bool_)}, mesh), INFO)
         assert len(compiles) >= 2  # The train step and the eval step.
         compiles.clear()
       train_step(state, batch)
-      result = split_eval.run(state.eval_model(), eval_batches)
+      result = split_eval.run(state.eval_model(), eval_batches, INFO)
       if compile_ahead:
         assert compiles.count('/jax/core/compile/backend_compile_duration') <= 1, compiles
       results.append((nnx.state(state), result.scalars))
@@ -116,10 +119,10 @@ def test_masked_padded_eval_equals_eval_of_real_examples_only():
   rng = np.random.default_rng(0)
   split = base.Split(images=rng.integers(0, 256, (250, 28, 28, 1), dtype=np.uint8),
                      labels=rng.integers(0, 10, 250).astype(np.int32))
-  split_eval = evaluation.Evaluation('eval', evaluators.create('loss|accuracy|per_class'),
-                                     INFO, 250)
-  padded = split_eval.run(state.eval_model(), _eval_batches(split, 100))
-  exact = split_eval.run(state.eval_model(), _eval_batches(split, 250))
+  split_eval = evaluation.Evaluation('eval', 'test', evaluators.create('loss|accuracy|per_class'),
+                                     NO_OPS)
+  padded = split_eval.run(state.eval_model(), _eval_batches(split, 100), INFO)
+  exact = split_eval.run(state.eval_model(), _eval_batches(split, 250), INFO)
   assert padded.scalars.keys() == exact.scalars.keys()
   for name, value in exact.scalars.items():
     assert padded.scalars[name] == pytest.approx(value, rel=1e-5), name
@@ -129,8 +132,8 @@ def test_masked_padded_eval_equals_eval_of_real_examples_only():
 def test_evaluate_restores_train_mode():
   state, _ = create()
   split = base.Split(images=np.zeros((10, 28, 28, 1), np.uint8), labels=np.zeros(10, np.int32))
-  evaluation.Evaluation('eval', evaluators.create('accuracy'), INFO, 10).run(
-      state.eval_model(), _eval_batches(split, 10))
+  evaluation.Evaluation('eval', 'test', evaluators.create('accuracy'), NO_OPS).run(
+      state.eval_model(), _eval_batches(split, 10), INFO)
   model = state.model
   assert not model.dropout1.deterministic and not model.batch_norm1.use_running_average
 
@@ -153,12 +156,12 @@ def test_schedules_and_warmup():
   steps_per_epoch = 10
   for name, start, peak_step, end in (('constant', 0.0, 10, 0.5), ('cosine', 0.0, 10, 0.0)):
     config.schedule = name
-    schedule = optimizers.create_learning_rate_schedule(config, steps_per_epoch)
+    schedule = run_spec.resolve(config).optimization.learning_rate_schedule(steps_per_epoch)
     assert float(schedule(0)) == pytest.approx(start), name  # Warming up from 0.
     assert float(schedule(5)) == pytest.approx(0.25), name  # Linearly.
     assert float(schedule(peak_step)) == pytest.approx(0.5), name
     assert float(schedule(100)) == pytest.approx(end, abs=1e-6), name
   config.update(schedule='cosine', warmup_epochs=0.0)
-  schedule = optimizers.create_learning_rate_schedule(config, steps_per_epoch)
+  schedule = run_spec.resolve(config).optimization.learning_rate_schedule(steps_per_epoch)
   assert float(schedule(0)) == pytest.approx(0.5)
   assert float(schedule(50)) == pytest.approx(0.25)  # Half way down the half cosine.

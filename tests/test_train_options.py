@@ -15,13 +15,14 @@ import kernels
 from kernels import cpu
 import models
 import train
-from training import config_checks
 from training import losses
 from training import optimizers
 from training import state as state_lib
+from training import run_spec
 from test_train import INFO
 from test_train import create
 from test_train import random_batch as _batch
+import conftest
 
 
 def _config(**overrides):
@@ -100,11 +101,11 @@ def test_two_accumulated_batches_of_64_update_as_one_batch_of_128():
 
 def test_the_schedule_counts_optimizer_updates():
   config = _config(schedule='cosine', num_epochs=2, grad_accum_steps=4)
-  schedule = optimizers.create_learning_rate_schedule(config, steps_per_epoch=100)
+  schedule = run_spec.resolve(config).optimization.learning_rate_schedule(steps_per_epoch=100)
   # 200 steps are 50 updates: the cosine is halfway at update 25, i.e. steps 101 to 104.
   assert float(schedule(25)) == pytest.approx(config.learning_rate / 2)
-  assert (state_lib.learning_rate(config, schedule, 101)
-          == state_lib.learning_rate(config, schedule, 104) == float(schedule(25)))
+  assert (run_spec.resolve(config).optimization.learning_rate_at(schedule, 101)
+          == run_spec.resolve(config).optimization.learning_rate_at(schedule, 104) == float(schedule(25)))
   assert float(schedule(50)) == pytest.approx(0.0)
 
 
@@ -137,7 +138,7 @@ def test_every_model_computes_in_bfloat16_with_float32_parameters(name, image_sh
   config = _config(model=name, compute_dtype='bfloat16')
   config.model_options[name] = options
   # Shapes and dtypes only (nnx.eval_shape): nothing is computed.
-  model = nnx.eval_shape(lambda: models.create_model(config, image_shape, 10, nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: run_spec.resolve(config).model.build(image_shape, 10, nnx.Rngs(0)))
   layers = _modules(model, (nnx.Conv, nnx.Linear, nnx.BatchNorm))
   assert layers and all(layer.dtype == jnp.bfloat16 for layer in layers)
   assert _float_dtypes(model) == {jnp.dtype(jnp.float32)}
@@ -150,8 +151,8 @@ def test_bfloat16_training_keeps_float32_state_and_lowers_the_loss():
   config = _config(compute_dtype='bfloat16', learning_rate=0.05)
   config.model_options.cnn.update(conv1_features=8, conv2_features=16, hidden_features=32,
                                   dropout_rate=0.0)
-  state = state_lib.create(config, INFO, steps_per_epoch=100)
-  train_step = state_lib.make_train_step(losses.LOSSES.create(config, 10))
+  state = conftest.create_state(config, INFO, steps_per_epoch=100)
+  train_step = state_lib.make_train_step(run_spec.resolve(config).loss(10))
   assert isinstance(state.model.conv1, cpu.Conv)  # The CPU layers on the CPU backend.
   batch = _batch(16)
   assert nnx.jit(lambda conv, x: conv(x))(state.model.conv1, batch['image']).dtype == jnp.bfloat16
@@ -205,17 +206,17 @@ def test_select_layers_in_float32_is_unchanged():
 def test_invalid_values_are_config_errors_naming_the_key(overrides, key):
   with pytest.raises(errors.ConfigError) as error:
     config = _config(**overrides)
-    config_checks.check_config(config)
-    state_lib.create(config, INFO, 100)  # Values a plug-in judges when it is built.
-    losses.LOSSES.create(config, 10)
+    run_spec.resolve(config)
+    conftest.create_state(config, INFO, 100)  # Values a plug-in judges when it is built.
+    run_spec.resolve(config).loss(10)
   assert error.value.key == key
 
 
 def test_values_too_large_for_the_data_are_config_errors():
   with pytest.raises(errors.ConfigError) as error:
-    config_checks.check_against_data(_config(batch_size=32, grad_accum_steps=101), INFO, 1)
+    run_spec.resolve(_config(batch_size=32, grad_accum_steps=101)).check_against_data(INFO, 1)
   assert (error.value.key, error.value.value) == ('grad_accum_steps', 101)
-  config_checks.check_against_data(_config(batch_size=32, grad_accum_steps=100), INFO, 1)
+  run_spec.resolve(_config(batch_size=32, grad_accum_steps=100)).check_against_data(INFO, 1)
 
 
 def test_profile_steps_writes_a_trace_for_tensorboard(tfds_data_dir, tmp_path):
@@ -225,13 +226,13 @@ def test_profile_steps_writes_a_trace_for_tensorboard(tfds_data_dir, tmp_path):
                    evaluators='accuracy')
   config.model_options.mlp.hidden_features = (32,)
   workdir = str(tmp_path)
-  train.train_and_evaluate(config, workdir)
+  train.train_and_evaluate(run_spec.resolve(config), workdir)
   traces = glob.glob(os.path.join(workdir, 'plugins', 'profile', '*', '*.xplane.pb'))
   assert len(traces) == 1 and os.path.getsize(traces[0]) > 0, traces
   with pytest.raises(errors.ConfigError) as error:  # More than the run has left.
     longer = config.copy_and_resolve_references()
     longer.update(num_epochs=3, profile_steps=20)
-    train.train_and_evaluate(longer,
+    train.train_and_evaluate(run_spec.resolve(longer),
                              str(tmp_path / 'long'))
   assert error.value.key == 'profile_steps'
 
@@ -246,7 +247,7 @@ def test_bfloat16_evaluates_within_a_small_margin_of_float32(tfds_data_dir, tmp_
     config = _config(data_dir=tfds_data_dir, train_split='train[:25600]',
                      eval_split='test[:2000]', batch_size=64, num_epochs=1, compute_dtype=dtype,
                      evaluators='loss|accuracy')
-    results[dtype] = train.train_and_evaluate(config, str(tmp_path / dtype))
+    results[dtype] = train.train_and_evaluate(run_spec.resolve(config), str(tmp_path / dtype))
   assert results['float32']['eval/accuracy'] > 0.97, results
   assert abs(results['bfloat16']['eval/accuracy'] - results['float32']['eval/accuracy']) < 0.01
   assert abs(results['bfloat16']['eval/loss'] - results['float32']['eval/loss']) < 0.03

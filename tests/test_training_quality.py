@@ -16,6 +16,7 @@ import train
 from training import checkpointing
 from training import hooks
 from training import summaries
+from training import run_spec
 from test_checkpointing import saved
 from test_train import create
 from test_train import random_batch
@@ -43,7 +44,7 @@ def test_the_best_epoch_end_checkpoint_is_kept_besides_the_newest(tmp_path, best
 
 
 def _loop(state=None, step=0):
-  return hooks.Loop(default.get_config(), state, steps_per_epoch=10, num_steps=100, step=step)
+  return hooks.Loop(state, steps_per_epoch=10, num_steps=100, step=step)
 
 
 def _epoch_end(hook, loop, epoch, value):
@@ -63,7 +64,7 @@ def test_early_stopping_counts_epochs_without_improvement_across_a_resume():
   resumed.on_start(loop)
   assert loop.stop is None
   _epoch_end(resumed, loop, 4, 0.945)
-  assert 'has not improved' in loop.stop and resumed.state_dict()['stopped']
+  assert 'has not improved' in loop.stop and resumed.ended_run
   # A run resumed after it stopped stops before its first step.
   again, loop = hooks.EarlyStopping('eval/accuracy', True, 2, 0.0), _loop(step=40)
   again.load_state_dict(resumed.state_dict())
@@ -95,7 +96,7 @@ def test_the_test_split_is_scored_once_with_the_best_checkpoint(tfds_data_dir, t
                        evaluators='loss|accuracy|per_class', best_metric='eval/macro_f1',
                        test_evaluators='loss|accuracy|per_class|top_k(3)')
   workdir = str(tmp_path)
-  metrics = train.train_and_evaluate(config, workdir)
+  metrics = train.train_and_evaluate(run_spec.resolve(config), workdir)
   written = summaries.read_metrics(workdir)
   by_step = {step: values['eval/macro_f1'] for step, values in written.items()
              if 'eval/macro_f1' in values}
@@ -106,7 +107,7 @@ def test_the_test_split_is_scored_once_with_the_best_checkpoint(tfds_data_dir, t
   assert 'test/top3_accuracy' in metrics and not any(
       'eval/top3_accuracy' in values for values in written.values())
   config.eval_split = config.test_split
-  again = evaluate.evaluate_checkpoint(config, workdir, checkpoint='best')
+  again = evaluate.evaluate_checkpoint(run_spec.resolve(config), workdir, checkpoint='best')
   assert again['eval/accuracy'] == pytest.approx(metrics['test/accuracy'], abs=1e-6)
   assert again['eval/macro_f1'] == pytest.approx(metrics['test/macro_f1'], abs=1e-6)
   assert again['eval/loss'] == pytest.approx(metrics['test/loss'], rel=1e-5)
@@ -142,9 +143,9 @@ def test_a_resumed_run_with_ema_ends_bit_exactly_like_an_uninterrupted_one(tfds_
                                                                            compute_dtype):
   options = {'ema_decay': 0.9, 'compute_dtype': compute_dtype}
   whole, halves = str(tmp_path / 'whole'), str(tmp_path / 'halves')
-  train.train_and_evaluate(_tiny_mnist(tfds_data_dir, **options), whole)
-  train.train_and_evaluate(_tiny_mnist(tfds_data_dir, num_epochs=1, **options), halves)
-  train.train_and_evaluate(_tiny_mnist(tfds_data_dir, **options), halves)
+  train.train_and_evaluate(run_spec.resolve(_tiny_mnist(tfds_data_dir, **options)), whole)
+  train.train_and_evaluate(run_spec.resolve(_tiny_mnist(tfds_data_dir, num_epochs=1, **options)), halves)
+  train.train_and_evaluate(run_spec.resolve(_tiny_mnist(tfds_data_dir, **options)), halves)
   (step, state), (resumed_step, resumed) = saved(whole), saved(halves)
   assert step == resumed_step == 32
   assert any('ema' in name for name in state)
@@ -160,7 +161,7 @@ def test_a_resumed_run_with_every_training_option_ends_bit_exactly(tfds_data_dir
   fine-tuning from a checkpoint: stopped mid-epoch (as by a SIGTERM) and resumed, the run ends
   in the uninterrupted state."""
   source = str(tmp_path / 'source')
-  train.train_and_evaluate(_tiny_mnist(tfds_data_dir, num_epochs=1), source)
+  train.train_and_evaluate(run_spec.resolve(_tiny_mnist(tfds_data_dir, num_epochs=1)), source)
   config = _tiny_mnist(
       tfds_data_dir, preprocess='translate(2)|randaugment(2, 9)|random_erasing(0.5)',
       mixup_alpha=0.2, cutmix_alpha=1.0, unmixed_last_epochs=1, freeze=('conv1',),
@@ -168,7 +169,7 @@ def test_a_resumed_run_with_every_training_option_ends_bit_exactly(tfds_data_dir
       init_from=source, init_exclude=('linear2',),
       loss_options={'cross_entropy': {'label_smoothing': 0.1, 'class_weights': 'balanced'}})
   whole, halves = str(tmp_path / 'whole'), str(tmp_path / 'halves')
-  train.train_and_evaluate(config, whole)
+  train.train_and_evaluate(run_spec.resolve(config), whole)
 
   def stop_at_step_21(signals, step):
     signals.received = signal.SIGTERM
@@ -176,10 +177,74 @@ def test_a_resumed_run_with_every_training_option_ends_bit_exactly(tfds_data_dir
   with monkeypatch.context() as patch:
     patch.setattr(runtime.StopSignals, 'reached', stop_at_step_21)
     with pytest.raises(runtime.Interrupted):
-      train.train_and_evaluate(config, halves)
+      train.train_and_evaluate(run_spec.resolve(config), halves)
   assert saved(halves)[0] == 21
-  train.train_and_evaluate(config, halves)
+  train.train_and_evaluate(run_spec.resolve(config), halves)
   (step, state), (resumed_step, resumed) = saved(whole), saved(halves)
   assert step == resumed_step == 32
   for name, value in state.items():
     np.testing.assert_array_equal(resumed[name], value, err_msg=name)
+
+
+@pytest.mark.slow
+def test_two_evaluations_at_their_cadences_log_both_and_resume_bit_exactly(tfds_data_dir, tmp_path,
+                                                                          monkeypatch):
+  """The eval split every epoch, and 'holdout' (another split, its own evaluators) every 6
+  steps: both written at their steps; stopped at step 21 and resumed, the run ends in the state
+  and with the metrics of the uninterrupted run."""
+  config = _tiny_mnist(tfds_data_dir)
+  config.evaluations = {'holdout': {'split': 'test[:100]', 'evaluators': 'accuracy|top_k(2)',
+                                    'every': 6}}
+  whole, halves = str(tmp_path / 'whole'), str(tmp_path / 'halves')
+  train.train_and_evaluate(run_spec.resolve(config), whole)
+  metrics = summaries.read_metrics(whole)
+  assert [step for step, values in metrics.items() if 'holdout/accuracy' in values] == [
+      6, 12, 18, 24, 30]
+  assert [step for step, values in metrics.items() if 'eval/accuracy' in values] == [16, 32]
+  assert {metrics[6]['holdout/num_examples'], metrics[16]['eval/num_examples']} == {100, 256}
+  assert 'holdout/top2_accuracy' in metrics[30] and 'eval/loss' in metrics[32]
+
+  def stop_at_step_21(signals, step):
+    signals.received = signal.SIGTERM
+    return step == 21
+  with monkeypatch.context() as patch:
+    patch.setattr(runtime.StopSignals, 'reached', stop_at_step_21)
+    with pytest.raises(runtime.Interrupted):
+      train.train_and_evaluate(run_spec.resolve(config), halves)
+  train.train_and_evaluate(run_spec.resolve(config), halves)
+  (step, state), (resumed_step, resumed) = saved(whole), saved(halves)
+  assert step == resumed_step == 32
+  for name, value in state.items():
+    np.testing.assert_array_equal(resumed[name], value, err_msg=name)
+  resumed_metrics = summaries.read_metrics(halves)
+  for step in (24, 30, 32):
+    assert {name: value for name, value in resumed_metrics[step].items()
+            if not name.endswith('examples_per_sec')} == {
+                name: value for name, value in metrics[step].items()
+                if not name.endswith('examples_per_sec')}, step
+
+
+@pytest.mark.parametrize('section,key', [
+    ({'split': 'test[:10]', 'every': 0}, 'evaluations.holdout.every'),
+    ({'split': ''}, 'evaluations.holdout.split'),
+    ({'split': 'test', 'evaluators': 'accuracy|nope'}, 'evaluations.holdout.evaluators'),
+    ({'split': 'test', 'preprocess': 'flip_lr|resize(3)'}, 'evaluations.holdout.preprocess'),
+    ({'split': 'test', 'size': 3}, 'evaluations.holdout.size'),
+])
+def test_a_bad_evaluation_names_its_key(section, key):
+  config = default.get_config()
+  config.evaluations = {'holdout': section}
+  with pytest.raises(errors.ConfigError) as error:
+    run_spec.resolve(config)
+  assert error.value.key == key
+
+
+def test_the_best_metric_names_an_evaluation_that_runs_every_epoch():
+  config = default.get_config()
+  config.evaluations = {'holdout': {'split': 'test[:10]', 'every': 100}}
+  config.best_metric = 'holdout/accuracy'
+  with pytest.raises(errors.ConfigError) as error:
+    run_spec.resolve(config)
+  assert (error.value.key, error.value.value) == ('best_metric', 'holdout/accuracy')
+  config.evaluations = {'holdout': {'split': 'test[:10]', 'every': 'epoch'}}
+  assert run_spec.resolve(config).best == run_spec.BestMetric('holdout/accuracy', True)

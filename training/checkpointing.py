@@ -243,14 +243,21 @@ class Checkpoints:
         raise
       # The run ends with this error. Orbax's other writer threads of this save still stop one
       # by one (until exit), each reporting the event loop that the failed write closed: they
-      # say nothing more than this error, so they are not printed.
+      # say nothing more than this error, so they are not printed. Until they have stopped they
+      # may still write into the save's temporary directory, so it is removed after them too.
+      self._remove_partial_saves()
+      try:
+        self._manager.wait_until_finished()
+      except Exception:  # pylint: disable=broad-except  (the same failure, already reported)
+        pass
       self._remove_partial_saves()
       kept = self.all_steps()
+      earlier = (f'The earlier checkpoints (steps {", ".join(map(str, kept))}) are kept' if kept
+                 else 'No earlier checkpoint was saved')
       raise errors.StorageError(
-          f'Could not save the checkpoint at step {step} in {self.directory}: {reason}. The '
-          f'earlier checkpoints (steps {", ".join(map(str, kept)) or "none"}) are kept; free '
-          'space (or fix the permissions) and rerun the same command to resume.',
-          path=self.directory, reason=reason) from error
+          f'Could not save the checkpoint at step {step} in {self.directory}: {reason}. '
+          f'{earlier}; free space (or fix the permissions) and rerun the same command to '
+          'resume.', path=self.directory, reason=reason) from error
     finally:
       sys.unraisablehook = report_unraisable
     for report in unraisable:

@@ -24,6 +24,7 @@ import optax
 from configs import default
 from core import errors
 import data_sources
+from data_sources import base
 import input_pipeline
 import kernels
 import models
@@ -88,21 +89,21 @@ class Run:
         f'This run has no evaluation {name!r}: its evaluations are '
         f'{[candidate.name for candidate in self.evaluations]}.', key='evaluations', value=name)
 
-  def eval_splits(self) -> dict[str, tuple[str, str]]:
-    """{evaluation name: (the config key of its split, the split)}, for the data to check."""
+  def eval_splits(self) -> dict[str, input_pipeline.EvalSplit]:
+    """Each evaluation's split by evaluation name, for the data to check."""
     keys = {'eval': 'eval_split', 'test': 'test_split'}
-    return {candidate.name: (keys.get(candidate.name, f'evaluations.{candidate.name}.split'),
-                             candidate.split) for candidate in self.evaluations}
+    return {candidate.name: input_pipeline.EvalSplit(
+        keys.get(candidate.name, f'evaluations.{candidate.name}.split'), candidate.split,
+        candidate.preprocess) for candidate in self.evaluations}
 
   def hparam_metrics(self) -> list[str]:
     """The metric columns of TensorBoard's HParams dashboard: every evaluation's scalars."""
     return [f'{candidate.name}/{name}' for candidate in self.evaluations
             for name in candidate.directions]
 
-  def check_against_data(self, data: input_pipeline.Data, num_devices: int) -> None:
-    """Checks the values that depend on the data (the training split's size, the images each
-    evaluation's preprocessing makes) and on the device count."""
-    num_train_examples = data.info.num_train_examples
+  def check_against_data(self, info: base.DatasetInfo, num_devices: int) -> None:
+    """Checks the values that depend on the training split's size and the device count."""
+    num_train_examples = info.num_train_examples
     _require(self.batch_size <= num_train_examples, 'batch_size', self.batch_size,
              f'config.batch_size={self.batch_size} is larger than the {num_train_examples} '
              f'examples of split {self.input.train_split!r}: use a batch size in '
@@ -116,13 +117,6 @@ class Run:
              f'config.batch_size={self.batch_size} does not divide by the {num_devices} devices '
              f'(jax.device_count()): use a multiple of {num_devices}, such as '
              f'{-(-self.batch_size // num_devices) * num_devices}.')
-    for candidate in self.evaluations:
-      shape = candidate.preprocess.image_shape(data.source.image_shape, data.source.name)
-      _require(shape == data.info.image_shape, f'evaluations.{candidate.name}.preprocess',
-               candidate.preprocess.spec,
-               f'config.evaluations.{candidate.name}.preprocess={candidate.preprocess.spec!r} '
-               f'makes {shape} images, but the model takes {data.info.image_shape}: resize to '
-               'the training size.')
 
 
 def _require(condition: bool, key: str, value, message: str) -> None:
@@ -271,11 +265,11 @@ def _evaluations(config: ml_collections.ConfigDict,
   """The run's evaluations: 'eval', 'test' (with a test split) and `config.evaluations`."""
   evaluations = [evaluation.Evaluation('eval', config.eval_split,
                                        evaluators.create(config.evaluators), preprocess)]
+  key = 'test_evaluators' if config.test_evaluators else 'evaluators'
+  test_evaluators = evaluators.create(config[key], key)  # Checked even without a test split.
   if config.test_split:
-    key = 'test_evaluators' if config.test_evaluators else 'evaluators'
-    evaluations.append(evaluation.Evaluation('test', config.test_split,
-                                             evaluators.create(config[key], key), preprocess,
-                                             every=evaluation.AT_END))
+    evaluations.append(evaluation.Evaluation('test', config.test_split, test_evaluators,
+                                             preprocess, every=evaluation.AT_END))
   for name, section in config.get('evaluations', {}).items():
     evaluations.append(_extra_evaluation(config, name, section, preprocess))
   return tuple(evaluations)

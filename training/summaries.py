@@ -89,9 +89,9 @@ def write_config(writer: metric_writers.MetricWriter, workdir: str, settings: di
   columns) and as a text summary."""
   # TensorBoard hparams are bool/int/float/str: tuples are shown as their text, and an unset
   # placeholder (None) has no value to show.
+  flat = parameter_overview.flatten_dict(settings, delimiter='.')
   hparams = {key: str(value) if isinstance(value, (tuple, list)) else value
-             for key, value in parameter_overview.flatten_dict(
-                 settings, delimiter='.').items() if value is not None}
+             for key, value in flat.items() if value is not None}
   if jax.process_index() == 0:
     hparams_writer = tf.summary.create_file_writer(workdir)
     with hparams_writer.as_default():
@@ -100,5 +100,5 @@ def write_config(writer: metric_writers.MetricWriter, workdir: str, settings: di
       hp.hparams(hparams)
     hparams_writer.close()
   # Indented: markdown renders it as a code block, one `key: value` per line.
-  text = json.dumps(settings, indent=2, sort_keys=True)
+  text = '\n'.join(f'{key}: {value}' for key, value in sorted(flat.items()))
   writer.write_texts(0, {'config': '    ' + text.replace('\n', '\n    ')})

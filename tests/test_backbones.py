@@ -1,0 +1,349 @@
+"""The pretrained backbones (backbones/): with the same weights, timm's and torchvision's models
+and ours give the same logits; the weight import loads what fits and refuses bad files in one
+line, without running pickled code."""
+
+import os
+import pickle
+import sys
+
+from flax import nnx
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from backbones import weights
+from conftest import requires_extras
+from core import errors
+import kernels
+import models
+
+NUM_CLASSES = 7
+RESNETS = ('resnet18', 'resnet34', 'resnet50')
+VITS = ('vit_tiny_patch16_224', 'vit_small_patch16_224', 'vit_base_patch16_224')
+BACKBONES = (*RESNETS, *VITS, 'convnext_tiny', 'efficientnet_b0')
+# Their forward pass at 224 px with timm's takes over ~20 s on 2 CPU cores (compilation, init).
+SLOW = ('resnet50', 'vit_small_patch16_224', 'vit_base_patch16_224', 'convnext_tiny')
+
+
+def _create(name: str, image_shape=(224, 224, 3), num_classes=NUM_CLASSES,
+            layers: kernels.Layers = kernels.STOCK_LAYERS, **options) -> nnx.Module:
+  """Our `name` through the registry, initialised as one program compiled at XLA's lowest
+  optimisation level: it runs once, so it compiles and runs several times faster so."""
+  factory = models.MODELS.entry(name).factory
+  create = nnx.jit(lambda: factory(image_shape, num_classes, layers=layers, rngs=nnx.Rngs(0),
+                                   **options))
+  return create.lower().compile({'xla_backend_optimization_level': 0})()
+
+
+def _randomise(torch_model) -> None:
+  """Random values where timm's initialisation would hide mistakes: BatchNorm statistics and
+  affine parameters (otherwise the identity), ConvNeXt's layer scale (otherwise 1e-6) and the
+  ViT's class token and position embedding (otherwise close to zero)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  generator = torch.Generator().manual_seed(1)
+  with torch.no_grad():
+    for module in torch_model.modules():
+      if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):  # pylint: disable=protected-access
+        size = module.num_features
+        module.running_mean.copy_(0.1 * torch.randn(size, generator=generator))
+        module.running_var.copy_(0.5 + torch.rand(size, generator=generator))
+        module.weight.copy_(0.5 + torch.rand(size, generator=generator))
+        module.bias.copy_(0.1 * torch.randn(size, generator=generator))
+    for name, parameter in torch_model.named_parameters():
+      if name.endswith('gamma') or name in ('cls_token', 'pos_embed'):
+        parameter.copy_(0.5 + torch.rand(parameter.shape, generator=generator))
+  torch_model.eval()
+
+
+def _timm_model(name: str, **kwargs):
+  """timm's `name` with seeded random weights (see `_randomise`), in eval mode."""
+  requires_extras('timm', 'torch', 'safetensors')
+  import timm  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  model = timm.create_model(name, pretrained=False, num_classes=NUM_CLASSES, **kwargs)
+  _randomise(model)
+  return model
+
+
+def _save_safetensors(torch_model, path) -> str:
+  import safetensors.torch  # pylint: disable=g-import-not-at-top
+  safetensors.torch.save_file(torch_model.state_dict(), str(path))
+  return str(path)
+
+
+def _images(height: int, width: int) -> np.ndarray:
+  return np.random.default_rng(0).normal(size=(2, height, width, 3)).astype(np.float32)
+
+
+def _assert_same_logits(torch_model, model: nnx.Module, images: np.ndarray) -> float:
+  """Both models' float32 logits on `images` (NHWC) agree within 1e-4 of the largest logit
+  (at least 1e-4); returns the largest difference."""
+  import torch  # pylint: disable=g-import-not-at-top
+  with torch.no_grad():
+    expected = torch_model(torch.from_numpy(images).permute(0, 3, 1, 2)).numpy()
+  model.eval()
+  logits = nnx.jit(lambda model, images: model(images))(model, images)
+  assert logits.dtype == np.float32
+  difference = float(np.abs(np.asarray(logits) - expected).max())
+  assert difference <= 1e-4 * max(1.0, float(np.abs(expected).max()))
+  return difference
+
+
+def _count(model: nnx.Module) -> int:
+  return sum(np.size(leaf) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+@pytest.mark.parametrize('name,layers', [
+    *[pytest.param(name, kernels.STOCK_LAYERS, marks=[pytest.mark.slow] if name in SLOW else [],
+                   id=name) for name in BACKBONES],
+    # The XLA:CPU layers take the same arguments (e.g. depthwise feature groups).
+    *[pytest.param(name, kernels.CPU_LAYERS, id=f'{name}-cpu_layers')
+      for name in ('resnet18', 'efficientnet_b0')]])
+def test_same_logits_and_parameters_as_timm(name, layers, tmp_path):
+  torch_model = _timm_model(name)
+  path = _save_safetensors(torch_model, tmp_path / f'{name}.safetensors')
+  model = _create(name, layers=layers)
+  loaded, fresh = weights.load_pretrained(model, name, path)
+  assert not fresh
+  assert len(loaded) == len(weights._variables(model))  # pylint: disable=protected-access
+  assert _count(model) == sum(parameter.numel() for parameter in torch_model.parameters())
+  _assert_same_logits(torch_model, model, _images(224, 224))
+
+
+@pytest.mark.parametrize('image_size', [(160, 160), (160, 224)])
+def test_vit_at_another_size_resamples_the_position_embedding(image_size, tmp_path):
+  """A 224-px checkpoint into a ViT for another grid, as timm resamples it for its own."""
+  from timm.models import vision_transformer  # pylint: disable=g-import-not-at-top
+  name = 'vit_tiny_patch16_224'
+  checkpoint_model = _timm_model(name)
+  path = _save_safetensors(checkpoint_model, tmp_path / 'vit.safetensors')
+  torch_model = _timm_model(name, img_size=image_size)
+  torch_model.load_state_dict(
+      vision_transformer.checkpoint_filter_fn(checkpoint_model.state_dict(), torch_model))
+  model = _create(name, image_shape=(*image_size, 3))
+  assert weights.load_pretrained(model, name, path)[1] == []
+  _assert_same_logits(torch_model, model, _images(*image_size))
+
+
+@pytest.mark.parametrize('grid', [(10, 10), (20, 12), (5, 9)])
+def test_resample_pos_embed_matches_timm(grid):
+  requires_extras('timm', 'torch')
+  import torch  # pylint: disable=g-import-not-at-top
+  from timm import layers  # pylint: disable=g-import-not-at-top
+  pos_embed = np.random.default_rng(0).normal(size=(1, 1 + 14 * 14, 8)).astype(np.float32)
+  expected = layers.resample_abs_pos_embed(torch.from_numpy(pos_embed), list(grid)).numpy()
+  target = nnx.Param(np.zeros((1, 1 + grid[0] * grid[1], 8), np.float32), grid_size=grid)
+  np.testing.assert_allclose(weights.resample_pos_embed(pos_embed, target), expected,
+                             atol=1e-5)
+
+
+@pytest.mark.parametrize('name', ['resnet18', pytest.param('resnet50', marks=pytest.mark.slow)])
+def test_torchvision_resnet_state_dict(name, tmp_path):
+  """torchvision's ResNets have timm's keys; their .pth state_dict loads through torch."""
+  requires_extras('torchvision', 'timm', 'torch')
+  import torch  # pylint: disable=g-import-not-at-top
+  import torchvision  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  torch_model = getattr(torchvision.models, name)(num_classes=NUM_CLASSES)
+  _randomise(torch_model)
+  assert torch_model.state_dict().keys() == _timm_model(name).state_dict().keys()
+  path = str(tmp_path / f'{name}.pth')
+  torch.save(torch_model.state_dict(), path)
+  model = _create(name)
+  assert weights.load_pretrained(model, name, path)[1] == []
+  _assert_same_logits(torch_model, model, _images(224, 224))
+
+
+@pytest.mark.parametrize('name', BACKBONES)
+def test_pretrained_cfg_is_timms_default(name):
+  requires_extras('timm')
+  import timm  # pylint: disable=g-import-not-at-top
+  declared = models.MODELS.capability(name, 'pretrained')
+  timm_cfg = timm.models.get_pretrained_cfg(name).to_dict()
+  assert declared == {key: timm_cfg[key] for key in declared}
+
+
+@pytest.fixture(name='resnet18_file', scope='module')
+def fixture_resnet18_file(tmp_path_factory) -> str:
+  """A .safetensors file of timm's resnet18 with 7 classes and random weights."""
+  return _save_safetensors(_timm_model('resnet18'),
+                           tmp_path_factory.mktemp('weights') / 'resnet18.safetensors')
+
+
+def test_head_for_another_number_of_classes_stays_fresh(resnet18_file):
+  model = _create('resnet18', image_shape=(32, 32, 3), num_classes=3)
+  initial_head = np.asarray(model.fc.kernel[...])
+  loaded, fresh = weights.load_pretrained(model, 'resnet18', resnet18_file)
+  assert fresh == ['fc.bias ((3,), (7,) there)', 'fc.kernel ((512, 3), (512, 7) there)']
+  assert len(loaded) == len(weights._variables(model)) - 2  # pylint: disable=protected-access
+  np.testing.assert_array_equal(model.fc.kernel[...], initial_head)
+  _, fresh = weights.load_pretrained(model, 'resnet18', resnet18_file, exclude=('^fc',))
+  assert fresh == ['fc.bias (init_exclude)', 'fc.kernel (init_exclude)']
+
+
+def test_checkpoint_dict_with_a_state_dict(tmp_path):
+  """A training script's checkpoint: the state_dict under 'state_dict', keys under DDP's
+  'module.' prefix."""
+  requires_extras('timm', 'torch')
+  import torch  # pylint: disable=g-import-not-at-top
+  torch_model = _timm_model('resnet18')
+  path = str(tmp_path / 'checkpoint.pth')
+  torch.save({'epoch': 3, 'state_dict': {f'module.{key}': value for key, value
+                                         in torch_model.state_dict().items()}}, path)
+  model = _create('resnet18', image_shape=(64, 64, 3))
+  assert weights.load_pretrained(model, 'resnet18', path)[1] == []
+  _assert_same_logits(torch_model, model, _images(64, 64))
+
+
+def _assert_refused(model_name: str, path: str, image_shape=(32, 32, 3)) -> None:
+  with pytest.raises(errors.ConfigError) as raised:
+    weights.load_pretrained(_create(model_name, image_shape), model_name, path)
+  assert raised.value.key == 'init_from' and raised.value.value == path
+  assert '\n' not in str(raised.value)
+
+
+def test_wrong_architecture_is_refused(resnet18_file):
+  _assert_refused('vit_tiny_patch16_224', resnet18_file)
+  _assert_refused('resnet34', resnet18_file)  # Some arrays fit, others are missing.
+
+
+def test_missing_and_truncated_files_are_refused(resnet18_file, tmp_path):
+  _assert_refused('resnet18', str(tmp_path / 'absent.safetensors'))
+  truncated = tmp_path / 'truncated.safetensors'
+  with open(resnet18_file, 'rb') as file:
+    truncated.write_bytes(file.read()[:100_000])
+  _assert_refused('resnet18', str(truncated))
+  truncated_pth = tmp_path / 'truncated.pth'
+  truncated_pth.write_bytes(b'PK\x03\x04 not a whole zip')
+  _assert_refused('resnet18', str(truncated_pth))
+
+
+def test_pickled_whole_model_is_refused(tmp_path):
+  requires_extras('torchvision', 'torch')
+  import torch  # pylint: disable=g-import-not-at-top
+  import torchvision  # pylint: disable=g-import-not-at-top
+  path = str(tmp_path / 'whole_model.pth')
+  torch.save(torchvision.models.resnet18(), path)
+  _assert_refused('resnet18', path)
+
+
+class _Malicious:
+  """A pickle payload that, if unpickled, creates `marker`."""
+
+  def __init__(self, marker: str):
+    self.marker = marker
+
+  def __reduce__(self):
+    return (open, (self.marker, 'w'))
+
+
+@pytest.mark.parametrize('writer', ['torch.save', 'pickle.dump'])
+def test_malicious_pickle_runs_no_code(writer, tmp_path):
+  requires_extras('torch')
+  import torch  # pylint: disable=g-import-not-at-top
+  marker = str(tmp_path / 'marker')
+  path = str(tmp_path / 'weights.pth')
+  payload = {'conv1.weight': _Malicious(marker)}
+  if writer == 'torch.save':
+    torch.save(payload, path)
+  else:
+    with open(path, 'wb') as file:
+      pickle.dump(payload, file)
+  assert not os.path.exists(marker)
+  _assert_refused('resnet18', path)
+  assert not os.path.exists(marker)
+
+
+def _hub_snapshot(home, repo_id: str) -> str:
+  """The folder of a Hub snapshot of `repo_id` in the cache of HF_HOME=`home`, laid out as
+  huggingface_hub lays out a download (refs/main names the snapshot)."""
+  revision = '0' * 40
+  repo = home / 'hub' / f'models--{repo_id.replace("/", "--")}'
+  (repo / 'refs').mkdir(parents=True)
+  (repo / 'refs' / 'main').write_text(revision)
+  snapshot = repo / 'snapshots' / revision
+  snapshot.mkdir(parents=True)
+  return snapshot
+
+
+def test_hub_name_loads_from_the_local_cache_only(resnet18_file, tmp_path, monkeypatch):
+  requires_extras('huggingface_hub', 'safetensors')
+  monkeypatch.setenv('HF_HOME', str(tmp_path))
+  monkeypatch.delenv('HF_HUB_CACHE', raising=False)
+  monkeypatch.setenv('HF_HUB_OFFLINE', '1')
+  name = 'hf-hub:timm/resnet18.a1_in1k'
+  _assert_refused('resnet18', name)  # An empty cache.
+  snapshot = _hub_snapshot(tmp_path, 'timm/resnet18.a1_in1k')
+  with open(resnet18_file, 'rb') as file:
+    (snapshot / 'model.safetensors').write_bytes(file.read())
+  model = _create('resnet18', image_shape=(32, 32, 3))
+  assert weights.load_pretrained(model, 'resnet18', name)[1] == []
+
+
+def test_missing_reader_is_a_missing_package(resnet18_file, monkeypatch):
+  monkeypatch.setitem(sys.modules, 'safetensors.numpy', None)  # Import fails.
+  with pytest.raises(errors.MissingPackage) as raised:
+    weights.load_pretrained(_create('resnet18', (32, 32, 3)), 'resnet18', resnet18_file)
+  assert (raised.value.key, raised.value.package) == ('init_from', 'safetensors')
+
+
+def test_model_without_pretrained_weights_is_refused(resnet18_file):
+  model = models.MODELS.entry('cnn').factory((28, 28, 1), 10, layers=kernels.STOCK_LAYERS,
+                                              rngs=nnx.Rngs(0))
+  with pytest.raises(errors.ConfigError) as raised:
+    weights.load_pretrained(model, 'cnn', resnet18_file)
+  assert raised.value.key == 'init_from'
+
+
+@pytest.mark.parametrize('path,expected', [
+    ('w/resnet50.safetensors', True), ('resnet50.PTH', True), ('a.pt', True),
+    ('pytorch_model.bin', True), ('hf-hub:timm/resnet50.a1_in1k', True), ('runs/mnist', False),
+    ('runs/mnist/checkpoints/100', False)])
+def test_is_pretrained_path(path, expected):
+  assert weights.is_pretrained_path(path) == expected
+
+
+@pytest.mark.parametrize('name', BACKBONES)
+@pytest.mark.parametrize('option', ['drop_path_rate', 'dropout_rate'])
+def test_invalid_rates_are_refused(name, option):
+  """A ValueError, which the registry turns into a ConfigError naming the option's section."""
+  with pytest.raises(ValueError, match=option):
+    models.MODELS.entry(name).factory((32, 32, 3), NUM_CLASSES, layers=kernels.STOCK_LAYERS,
+                                      rngs=nnx.Rngs(0), **{option: 1.5})
+
+
+def _loss_and_grads(model: nnx.Module, images: np.ndarray):
+  def loss(model):
+    return (model(images) ** 2).mean()
+  return nnx.jit(nnx.value_and_grad(loss))(model)
+
+
+@pytest.mark.parametrize('name', ['resnet18', 'vit_tiny_patch16_224', 'convnext_tiny',
+                                  'efficientnet_b0'])
+def test_stochastic_depth_in_training_only_and_remat(name):
+  """Stochastic depth draws new masks in training and is off in eval; with `remat` the
+  training step computes the same gradients."""
+  images = _images(32, 32)
+  model = _create(name, image_shape=(32, 32, 3), drop_path_rate=0.5)
+  model.set_attributes(use_running_average=True)  # Only the drop paths are random.
+  assert not np.allclose(model(images), model(images))
+  model.eval()
+  np.testing.assert_array_equal(model(images), model(images))
+
+  plain = _create(name, image_shape=(32, 32, 3))
+  rematerialised = _create(name, image_shape=(32, 32, 3), remat=True)
+  (loss, grads), (remat_loss, remat_grads) = (_loss_and_grads(plain, images),
+                                              _loss_and_grads(rematerialised, images))
+  np.testing.assert_allclose(remat_loss, loss, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+               remat_grads, grads)
+
+
+def test_cpu_layers_train_as_the_stock_layers():
+  """The XLA:CPU layers' own gradient (stride-1 'SAME' convolutions) gives the stock one."""
+  images = _images(32, 32)
+  stock = _loss_and_grads(_create('resnet18', (32, 32, 3)), images)
+  cpu = _loss_and_grads(_create('resnet18', (32, 32, 3), layers=kernels.CPU_LAYERS), images)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), cpu, stock)
