@@ -22,6 +22,7 @@ import input_pipeline
 from training import checkpointing
 from training import evaluation
 from training import hooks
+from training import loggers
 from training import parallel
 from training import run_spec
 from training import state as state_lib
@@ -63,7 +64,8 @@ def train_and_evaluate(run: run_spec.Run, workdir: str) -> dict[str, float]:
     run.check_against_data(data.info, jax.device_count())
     logging.info('Dataset: %s', data.info)
     workdirs.save_info(workdir, data.info)
-    session = Session(run, workdir, data, mesh, checkpoints, summaries.create_writer(workdir))
+    session = Session(run, workdir, data, mesh, checkpoints,
+                      loggers.create_writer(run.loggers, workdir))
     stack.callback(session.writer.close)
     steps_per_epoch = data.info.num_train_examples // run.batch_size
     schedule = run.optimization.learning_rate_schedule(steps_per_epoch)

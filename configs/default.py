@@ -153,6 +153,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.early_stopping_patience = 0
   config.early_stopping_min_delta = 0.0
   # Logging.
+  # Where metrics go, joined by '|' (training/loggers.py): 'tensorboard' (event files),
+  # 'jsonl' (metrics.jsonl, always written: the run reads it), 'csv' (metrics.csv), 'mlflow'
+  # ($MLFLOW_TRACKING_URI) and 'wandb' ($WANDB_MODE), the last two optional extras; e.g.
+  # 'tensorboard|jsonl|mlflow(experiment="mnist")'. A resumed run continues the same tracked run.
+  config.loggers = 'tensorboard|jsonl'
   config.log_every_steps = 100  # Train metrics are written every this many steps.
   # Steps traced (after a few warm-up steps) into <workdir>/plugins/profile/ for TensorBoard's
   # profile plugin; 0 = off.

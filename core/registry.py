@@ -149,6 +149,18 @@ class Registry:
             f'config.{section}.{option} is not an option of {self.kind} {name!r}; its options: '
             f'{", ".join(accepted) or "none"}.', key=f'{section}.{option}', value=options[option])
 
+  def check_calls(self, spec: str, key: str) -> list[str]:
+    """The plug-in names of `spec`, each checked (known, its package installed) but not built;
+    a `ConfigError` (or `MissingPackage`) naming config.`key` otherwise."""
+    try:
+      calls = _parse_calls(spec)
+    except ValueError as error:
+      raise errors.ConfigError(f'config.{key}={spec!r} is invalid: {error}.', key=key,
+                               value=spec) from None
+    for _, name, _, _ in calls:
+      self.entry(name, key)
+    return [name for _, name, _, _ in calls]
+
   def create_calls(self, spec: str, key: str, **kwargs: Any) -> list[tuple[str, Entry, Any]]:
     """Builds every call of `spec`, such as 'flip_lr|random_crop(32, pad=4)', with its
     arguments and `kwargs`: [(the call's text, its entry, the plug-in)], in order.

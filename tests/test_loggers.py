@@ -224,3 +224,33 @@ def test_wandb_offline_resumed_run_keeps_its_id(tmp_path, monkeypatch):
   config = first[1]
   assert (config['learning_rate'], config['model_options.cnn.features']) == (0.1, [32, 64])
   assert 'init_from' not in config
+
+
+@pytest.mark.slow
+def test_a_training_run_logs_every_epoch_and_its_config_to_mlflow_and_resumes_there(
+    tfds_data_dir, tmp_path, monkeypatch):
+  """config.loggers='tensorboard|mlflow' (jsonl added): MLflow's own client reads back
+  eval/accuracy of every epoch, in one run across a resume, and the config as params."""
+  conftest.requires_extras('mlflow')
+  import mlflow  # pylint: disable=g-import-not-at-top
+  from configs import default  # pylint: disable=g-import-not-at-top
+  import train  # pylint: disable=g-import-not-at-top
+  from training import run_spec  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv('MLFLOW_TRACKING_URI', f'sqlite:///{tmp_path / "mlflow.db"}')
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.delenv('MLFLOW_EXPERIMENT_NAME', raising=False)
+  config = default.get_config()
+  config.update({'data_dir': tfds_data_dir, 'train_split': 'train[:256]',
+                 'eval_split': 'test[:128]', 'batch_size': 64, 'num_epochs': 2,
+                 'evaluators': 'loss|accuracy', 'loggers': 'tensorboard|mlflow'})
+  workdir = str(tmp_path / 'run')
+  train.train_and_evaluate(run_spec.resolve(config), workdir)
+  config.num_epochs = 3  # Resumed: the same MLflow run goes on.
+  train.train_and_evaluate(run_spec.resolve(config), workdir)
+  jsonl = summaries.read_metrics(workdir)
+  runs = mlflow.search_runs(experiment_names=['Default'], output_format='list')
+  assert len(runs) == 1
+  history = mlflow.MlflowClient().get_metric_history(runs[0].info.run_id, 'eval/accuracy')
+  assert sorted((metric.step, metric.value) for metric in history) == [
+      (step, pytest.approx(jsonl[step]['eval/accuracy'])) for step in (4, 8, 12)]
+  assert (runs[0].data.params['learning_rate'], runs[0].data.params['model']) == ('0.1', 'cnn')

@@ -8,6 +8,7 @@ import numpy as np
 from tensorboard.backend.event_processing import event_accumulator
 
 from configs import default
+from training import loggers
 from training import pictures
 from training import run_spec
 from training import summaries
@@ -34,7 +35,7 @@ def test_confusion_matrix_picture_for_10_and_100_classes():
 
 
 def test_jsonl_writer_and_reader(tmp_path):
-  writer = summaries.create_writer(str(tmp_path))
+  writer = loggers.create_writer('tensorboard|jsonl', str(tmp_path))
   writer.write_scalars(10, {'train/loss': np.float32(0.5), 'epoch': 1})
   writer.write_scalars(10, {'eval/accuracy': 0.9})
   writer.write_scalars(20, {'eval/accuracy': 0.8})

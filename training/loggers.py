@@ -262,11 +262,13 @@ def csv_file(workdir: str) -> metric_writers.MetricWriter:
   return CsvWriter(os.path.join(workdir, CSV_FILE))
 
 
-def check(spec: str) -> None:
-  """Refuses an unknown logger in `spec` (a `ConfigError`) or one whose package is not
-  installed (a `MissingPackage`), naming config.loggers, without creating anything."""
-  for part in filter(None, (part.strip() for part in spec.split('|'))):
-    LOGGERS.entry(part.split('(')[0].strip(), 'loggers')
+def check(spec: str) -> str:
+  """`spec` with `jsonl` added if it lacks it (the run reads its own metrics.jsonl: the summary,
+  the finished-run check and the sweep); an unknown logger (a `ConfigError`) or one whose
+  package is not installed (a `MissingPackage`) refused, naming config.loggers, without creating
+  anything."""
+  names = LOGGERS.check_calls(spec, 'loggers')
+  return spec if 'jsonl' in names else '|'.join(filter(None, (spec.strip(), 'jsonl')))
 
 
 def create_writer(spec: str, workdir: str) -> metric_writers.MetricWriter:

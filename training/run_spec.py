@@ -31,6 +31,7 @@ import models
 import preprocessing
 from training import evaluation
 from training import evaluators
+from training import loggers
 from training import losses
 from training import optimizers
 from training import workdirs
@@ -79,6 +80,7 @@ class Run:
   early_stopping_min_delta: float
   init_from: str | None
   init_exclude: tuple[str, ...]
+  loggers: str  # Where metrics go ('tensorboard|jsonl|...': training/loggers.py).
 
   def evaluation(self, name: str) -> evaluation.Evaluation:
     """The evaluation called `name`; a `ConfigError` listing them if there is none."""
@@ -156,7 +158,8 @@ def resolve(config: ml_collections.ConfigDict) -> Run:
       profile_steps=config.profile_steps,
       early_stopping_patience=config.early_stopping_patience,
       early_stopping_min_delta=config.early_stopping_min_delta,
-      init_from=config.init_from, init_exclude=tuple(config.init_exclude))
+      init_from=config.init_from, init_exclude=tuple(config.init_exclude),
+      loggers=loggers.check(config.loggers))
 
 
 def _check_values(config: ml_collections.ConfigDict) -> None:

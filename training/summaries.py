@@ -59,14 +59,6 @@ class JsonlWriter(metric_writers.MetricWriter):
     self._file.close()
 
 
-def create_writer(workdir: str) -> metric_writers.MetricWriter:
-  """TensorBoard event files and metrics.jsonl in `workdir`, written by process 0 only."""
-  if jax.process_index() > 0:
-    return metric_writers.MultiWriter([])
-  return metric_writers.MultiWriter([metric_writers.SummaryWriter(workdir),
-                                     JsonlWriter(os.path.join(workdir, METRICS_FILE))])
-
-
 def read_metrics(workdir: str) -> dict[int, dict[str, float]]:
   """{step: {name: value}} of `workdir`'s metrics.jsonl; a later write of a step wins (a
   resumed run writes again the steps after its checkpoint)."""
@@ -92,13 +84,13 @@ def write_config(writer: metric_writers.MetricWriter, workdir: str, settings: di
   flat = parameter_overview.flatten_dict(settings, delimiter='.')
   hparams = {key: str(value) if isinstance(value, (tuple, list)) else value
              for key, value in flat.items() if value is not None}
-  if jax.process_index() == 0:
+  if jax.process_index() == 0:  # The metric columns; the values go through every logger.
     hparams_writer = tf.summary.create_file_writer(workdir)
     with hparams_writer.as_default():
       hp.hparams_config(hparams=[hp.HParam(key) for key in sorted(hparams)],
                         metrics=[hp.Metric(tag) for tag in metrics])
-      hp.hparams(hparams)
     hparams_writer.close()
+  writer.write_hparams(hparams)
   # Indented: markdown renders it as a code block, one `key: value` per line.
   text = '\n'.join(f'{key}: {value}' for key, value in sorted(flat.items()))
   writer.write_texts(0, {'config': '    ' + text.replace('\n', '\n    ')})
