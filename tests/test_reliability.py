@@ -110,6 +110,21 @@ def test_a_damaged_latest_checkpoint_is_moved_aside_and_the_previous_one_resumes
 
 
 @pytest.mark.slow
+def test_main_falls_back_from_a_damaged_checkpoint_without_a_traceback(trained, tfds_data_dir,
+                                                                       tmp_path):
+  """As a user sees it: the rerun of main.py prints one warning for the damaged checkpoint and
+  no Python traceback (Orbax's threads' reports of the failed read are not printed)."""
+  workdir = _copy(trained, tmp_path)
+  _damage(os.path.join(workdir, 'checkpoints', '8'), 'truncated data file')
+  result = subprocess.run(_main_command(workdir, tfds_data_dir, '--config.num_epochs=2'),
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'Traceback' not in result.stderr, result.stderr[-3000:]
+  assert result.stderr.count('does not restore') == 1
+  assert 'Restored checkpoint at step 4 ' in result.stderr
+
+
+@pytest.mark.slow
 def test_when_no_checkpoint_restores_the_run_stops_with_one_line(trained, tfds_data_dir,
                                                                   tmp_path):
   workdir = _copy(trained, tmp_path)

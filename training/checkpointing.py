@@ -12,6 +12,7 @@ temporary directory and renames it once complete, so a process killed at any mom
 mid-save, leaves nothing that the next start would pick up.
 """
 
+import contextlib
 import errno
 import glob
 import logging as python_logging
@@ -19,6 +20,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 import time
 
 from absl import logging
@@ -102,6 +104,31 @@ def _orbax_warnings_only(record) -> bool:
   return record.levelno >= python_logging.WARNING and not any(
       repeated in message for repeated in ('raised an exception', 'did not provide metrics',
                                            'Reached preemption sync point'))
+
+
+@contextlib.contextmanager
+def _reports_held():
+  """Holds what Orbax's and TensorStore's threads report as they fail inside the block (their
+  exceptions that nothing can raise, such as 'Event loop is closed' after a failed read or
+  write): dropped if the block fails, since its own error says the same once and the caller
+  reports it in one line; printed as usual if it succeeds."""
+  unraisable, thread_failures, asyncio_records = [], [], []
+  report_unraisable, sys.unraisablehook = sys.unraisablehook, unraisable.append
+  report_thread, threading.excepthook = threading.excepthook, thread_failures.append
+  asyncio_logger = python_logging.getLogger('asyncio')  # 'Task exception was never retrieved'.
+  hold_record = lambda record: asyncio_records.append(record) and False
+  asyncio_logger.addFilter(hold_record)
+  try:
+    yield
+  finally:
+    sys.unraisablehook, threading.excepthook = report_unraisable, report_thread
+    asyncio_logger.removeFilter(hold_record)
+  for report in unraisable:
+    report_unraisable(report)
+  for report in thread_failures:
+    report_thread(report)
+  for record in asyncio_records:
+    asyncio_logger.handle(record)
 
 
 def checkpoint_path(path: str) -> str:
@@ -232,24 +259,22 @@ class Checkpoints:
     """Saves checkpoint `step` of `state` with `progress` (and the eval `metrics` by which the
     best is kept); a `StorageError` if the disk is full or not writable, earlier ones intact."""
     start = time.time()
-    unraisable = []  # What Orbax's writer threads fail to raise during the save.
-    report_unraisable, sys.unraisablehook = sys.unraisablehook, unraisable.append
     try:
-      self._manager.save(step, metrics=metrics, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(nnx.state(state)),
-          progress=ocp.args.JsonSave({**progress, 'layout': LAYOUT})))
+      with _reports_held():
+        self._manager.save(step, metrics=metrics, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(nnx.state(state)),
+            progress=ocp.args.JsonSave({**progress, 'layout': LAYOUT})))
     except Exception as error:  # pylint: disable=broad-except  (re-raised unless an OS error)
       if (reason := io_failure(error)) is None:
         raise
-      # The run ends with this error. Orbax's other writer threads of this save still stop one
-      # by one (until exit), each reporting the event loop that the failed write closed: they
-      # say nothing more than this error, so they are not printed. Until they have stopped they
-      # may still write into the save's temporary directory, so it is removed after them too.
+      # The run ends with this error. Orbax's other writer threads of this save may still be
+      # writing into its temporary directory: it is removed before and after they stop.
       self._remove_partial_saves()
-      try:
-        self._manager.wait_until_finished()
-      except Exception:  # pylint: disable=broad-except  (the same failure, already reported)
-        pass
+      with _reports_held():
+        try:
+          self._manager.wait_until_finished()
+        except Exception:  # pylint: disable=broad-except  (the same failure, reported below)
+          pass
       self._remove_partial_saves()
       kept = self.all_steps()
       earlier = (f'The earlier checkpoints (steps {", ".join(map(str, kept))}) are kept' if kept
@@ -258,10 +283,6 @@ class Checkpoints:
           f'Could not save the checkpoint at step {step} in {self.directory}: {reason}. '
           f'{earlier}; free space (or fix the permissions) and rerun the same command to '
           'resume.', path=self.directory, reason=reason) from error
-    finally:
-      sys.unraisablehook = report_unraisable
-    for report in unraisable:
-      report_unraisable(report)
     logging.info('Saved checkpoint at step %d in %.2fs.', step, time.time() - start)
 
   def _remove_partial_saves(self) -> None:
@@ -291,8 +312,9 @@ class Checkpoints:
           f'config ({"; ".join(differences)}). Use the config it was written with (model, '
           'optimizer, EMA, dataset), or a new --workdir.', directory=self.directory, step=step)
     start = time.time()
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), progress=ocp.args.JsonRestore()))
+    with _reports_held():
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target), progress=ocp.args.JsonRestore()))
     nnx.update(state, restored['state'])
     logging.info('Restored checkpoint at step %d from %s in %.2fs.', step, self.directory,
                  time.time() - start)
