@@ -32,7 +32,6 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from core import errors
-import data_sources
 from data_sources import base
 import preprocessing
 from preprocessing import mix

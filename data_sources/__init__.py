@@ -14,7 +14,6 @@ To add a source: a module here with a `base.DataSource` subclass (or a factory r
 """
 
 from core import registry
-from data_sources import base
 
 # Built as factory(config.dataset, config.data_dir, **options).
 SOURCES = registry.Registry('data source', key='data_source', package='data_sources',

@@ -21,7 +21,6 @@ import tensorflow as tf
 
 from configs import default
 from core import errors
-import input_pipeline
 import modes
 from modes import evaluate
 from modes import export

@@ -11,7 +11,6 @@ import pytest
 
 from configs import default
 from core import errors
-import data_sources
 from data_sources import base
 from data_sources import csv_source
 import image_folders

@@ -18,7 +18,6 @@ from configs import default
 from conftest import SHARED_MNIST
 from conftest import requires_extras
 from core import errors
-import data_sources
 from data_sources import base
 import image_folders
 import input_pipeline

@@ -11,7 +11,6 @@ import tensorflow as tf
 
 from configs import default
 from core import errors
-import data_sources
 from data_sources import base
 from data_sources import folder_source
 import image_folders

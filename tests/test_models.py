@@ -8,7 +8,6 @@ import pytest
 
 from core import errors
 import kernels
-import models
 import train
 from benchmarks import reference_mnist
 from configs import cifar10

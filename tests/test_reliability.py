@@ -266,23 +266,32 @@ def _can_mount_tmpfs() -> bool:
   return probe.returncode == 0
 
 
-@pytest.mark.slow
-def test_a_full_disk_ends_in_one_line_and_the_rerun_resumes_after_space_is_freed(
-    tfds_data_dir, tmp_path):
-  """On a real 16 MB tmpfs (in a user namespace): a checkpoint is 6.6 MB, the third does not fit."""
+def _train_on_a_small_disk(data_dir, tmp_path, megabytes: int, then):
+  """main.py on a real tmpfs of `megabytes` (in a user namespace), then the shell command
+  `then(mount, workdir, main_command)`; stdout: 'rc=N', the checkpoints, '----', then's output.
+  Skips where user namespaces or tmpfs mounts are not allowed."""
   if not _can_mount_tmpfs():
     pytest.skip('needs `unshare -rm` and tmpfs mounts (user namespaces) to make a small disk; '
                 'the simulated ENOSPC test above covers the save path')
   mount = tmp_path / 'disk'
   mount.mkdir()
   workdir = mount / 'run'
-  command = ' '.join(f"'{arg}'" for arg in _main_command(workdir, tfds_data_dir,
+  command = ' '.join(f"'{arg}'" for arg in _main_command(workdir, data_dir,
                                                          '--config.train_split=train[:512]'))
-  script = (f'mount -t tmpfs -o size=16m tmpfs {mount} && {{ {command}; echo "rc=$?"; '
-            f'ls {workdir}/checkpoints; echo "----"; mount -o remount,size=64m {mount} && '
-            f'{command}; echo "rc=$?"; ls {workdir}/checkpoints; }}')
-  result = subprocess.run(['unshare', '-rm', 'sh', '-c', script], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+  script = (f'mount -t tmpfs -o size={megabytes}m tmpfs {mount} && {{ {command}; echo "rc=$?"; '
+            f'ls {workdir}/checkpoints; echo "----"; {then(mount, workdir, command)}; }}')
+  return workdir, subprocess.run(['unshare', '-rm', 'sh', '-c', script], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_a_full_disk_ends_in_one_line_and_the_rerun_resumes_after_space_is_freed(
+    tfds_data_dir, tmp_path):
+  """On a real 16 MB tmpfs (in a user namespace): a checkpoint is 6.6 MB, the third does not fit."""
+  workdir, result = _train_on_a_small_disk(
+      tfds_data_dir, tmp_path, 16, lambda mount, workdir, command: (
+          f'mount -o remount,size=64m {mount} && {command}; echo "rc=$?"; '
+          f'ls {workdir}/checkpoints'))
   full, freed = result.stdout.split('----')
   full_log, freed_log = result.stderr.split('Restored checkpoint at step')[0], result.stderr
   assert full.split()[0] == 'rc=1', result.stderr[-3000:]
@@ -298,20 +307,12 @@ def test_a_full_disk_ends_in_one_line_and_the_rerun_resumes_after_space_is_freed
 @pytest.mark.slow
 @pytest.mark.parametrize('megabytes,kept', [(4, []), (4, []), (16, ['4', '8']), (16, ['4', '8'])])
 def test_a_full_disk_leaves_no_temporary_file_each_time(tfds_data_dir, tmp_path, megabytes, kept):
-  """A disk that takes no checkpoint (4 MB; one is 6.6 MB), or two
-  (16 MB), each twice: the run ends in one line naming what is kept, and leaves no temporary
-  file or directory anywhere in the workdir."""
-  if not _can_mount_tmpfs():
-    pytest.skip('needs `unshare -rm` and tmpfs mounts (user namespaces) to make a small disk')
-  mount = tmp_path / 'disk'
-  mount.mkdir()
-  workdir = mount / 'run'
-  command = ' '.join(f"'{arg}'" for arg in _main_command(workdir, tfds_data_dir,
-                                                         '--config.train_split=train[:512]'))
-  script = (f'mount -t tmpfs -o size={megabytes}m tmpfs {mount} && {{ {command}; echo "rc=$?"; '
-            f'ls {workdir}/checkpoints; echo "----"; find {workdir} -name "*tmp*"; }}')
-  result = subprocess.run(['unshare', '-rm', 'sh', '-c', script], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+  """A disk that takes no checkpoint (4 MB; one is 6.6 MB), or two (16 MB), each twice: the run
+  ends in one line naming what is kept, and leaves no temporary file or directory anywhere in
+  the workdir."""
+  _, result = _train_on_a_small_disk(
+      tfds_data_dir, tmp_path, megabytes,
+      lambda mount, workdir, command: f'find {workdir} -name "*tmp*"')
   listed, leftovers = result.stdout.split('----')
   assert listed.split()[0] == 'rc=1', result.stderr[-3000:]
   assert listed.split()[1:] == kept

@@ -10,11 +10,9 @@ from configs import default
 from data_sources import base
 from data_sources import tfds_source
 import input_pipeline
-import models
 import preprocessing
 from training import evaluation
 from training import evaluators
-from training import losses
 from training import optimizers
 from training import parallel
 from training import state as state_lib

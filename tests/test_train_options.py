@@ -13,10 +13,8 @@ from configs import default
 from core import errors
 import kernels
 from kernels import cpu
-import models
 import train
 from training import losses
-from training import optimizers
 from training import state as state_lib
 from training import run_spec
 from test_train import INFO

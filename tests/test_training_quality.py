@@ -153,6 +153,17 @@ def test_a_resumed_run_with_ema_ends_bit_exactly_like_an_uninterrupted_one(tfds_
     np.testing.assert_array_equal(resumed[name], value, err_msg=name)
 
 
+def _train_until_a_sigterm_at(stop_step: int, config, workdir: str, monkeypatch) -> None:
+  """Trains `config` in `workdir` as if a SIGTERM arrived at `stop_step`: saved, interrupted."""
+  def stop_at(signals, step):
+    signals.received = signal.SIGTERM
+    return step == stop_step
+  with monkeypatch.context() as patch:
+    patch.setattr(runtime.StopSignals, 'reached', stop_at)
+    with pytest.raises(runtime.Interrupted):
+      train.train_and_evaluate(run_spec.resolve(config), workdir)
+
+
 @pytest.mark.slow
 def test_a_resumed_run_with_every_training_option_ends_bit_exactly(tfds_data_dir, tmp_path,
                                                                     monkeypatch):
@@ -171,13 +182,7 @@ def test_a_resumed_run_with_every_training_option_ends_bit_exactly(tfds_data_dir
   whole, halves = str(tmp_path / 'whole'), str(tmp_path / 'halves')
   train.train_and_evaluate(run_spec.resolve(config), whole)
 
-  def stop_at_step_21(signals, step):
-    signals.received = signal.SIGTERM
-    return step == 21
-  with monkeypatch.context() as patch:
-    patch.setattr(runtime.StopSignals, 'reached', stop_at_step_21)
-    with pytest.raises(runtime.Interrupted):
-      train.train_and_evaluate(run_spec.resolve(config), halves)
+  _train_until_a_sigterm_at(21, config, halves, monkeypatch)
   assert saved(halves)[0] == 21
   train.train_and_evaluate(run_spec.resolve(config), halves)
   (step, state), (resumed_step, resumed) = saved(whole), saved(halves)
@@ -204,13 +209,7 @@ def test_two_evaluations_at_their_cadences_log_both_and_resume_bit_exactly(tfds_
   assert {metrics[6]['holdout/num_examples'], metrics[16]['eval/num_examples']} == {100, 256}
   assert 'holdout/top2_accuracy' in metrics[30] and 'eval/loss' in metrics[32]
 
-  def stop_at_step_21(signals, step):
-    signals.received = signal.SIGTERM
-    return step == 21
-  with monkeypatch.context() as patch:
-    patch.setattr(runtime.StopSignals, 'reached', stop_at_step_21)
-    with pytest.raises(runtime.Interrupted):
-      train.train_and_evaluate(run_spec.resolve(config), halves)
+  _train_until_a_sigterm_at(21, config, halves, monkeypatch)
   train.train_and_evaluate(run_spec.resolve(config), halves)
   (step, state), (resumed_step, resumed) = saved(whole), saved(halves)
   assert step == resumed_step == 32

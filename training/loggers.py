@@ -10,6 +10,7 @@ tracker's same run: the run's id is kept in the workdir.
 
 import csv
 import html
+import json
 import os
 import time
 import uuid
@@ -244,6 +245,25 @@ class WandbWriter(_Writer):
     self._run.finish()
 
 
+class JsonlWriter(_Writer):
+  """Appends every scalar write to a JSON-lines file: {"step": 468, "eval/accuracy": 0.98}."""
+
+  def __init__(self, path: str):
+    # Line-buffered: each write is in the file at once, for the sweep's pruner and for users.
+    self._file = open(path, 'a', encoding='utf-8', buffering=1)  # pylint: disable=consider-using-with
+
+  def write_scalars(self, step, scalars):
+    line = {'step': int(step), **{name: value if isinstance(value, int) else float(value)
+                                  for name, value in scalars.items()}}
+    self._file.write(json.dumps(line) + '\n')
+
+  def flush(self):
+    self._file.flush()
+
+  def close(self):
+    self._file.close()
+
+
 @LOGGERS.register('tensorboard')
 def tensorboard(workdir: str) -> metric_writers.MetricWriter:
   """TensorBoard event files in `workdir`."""
@@ -253,7 +273,7 @@ def tensorboard(workdir: str) -> metric_writers.MetricWriter:
 @LOGGERS.register('jsonl')
 def jsonl(workdir: str) -> metric_writers.MetricWriter:
   """`<workdir>/metrics.jsonl`, which the app reads back (run summary, sweeps' pruning)."""
-  return summaries.JsonlWriter(os.path.join(workdir, summaries.METRICS_FILE))
+  return JsonlWriter(os.path.join(workdir, summaries.METRICS_FILE))
 
 
 @LOGGERS.register('csv')

@@ -1,6 +1,6 @@
-"""Where a run's metrics go: TensorBoard (scalars, pictures, the config as HParams) and
-`<workdir>/metrics.jsonl`, one JSON object per write, for plotting and comparing runs without
-TensorBoard (the sweep's pruner reads it too).
+"""What a run reads of its own metrics and how it shows its config: `<workdir>/metrics.jsonl`
+(one JSON object per write, written by the `jsonl` logger in training/loggers.py; the summary,
+the finished-run check and the sweep's pruner read it) and the config as TensorBoard HParams.
 
 The HParams dashboard lists a run when its event files hold a session start (the hparam values)
 and, for the metric columns, an experiment config naming the metrics. clu's `write_hparams` only
@@ -17,46 +17,6 @@ import tensorflow as tf
 from tensorboard.plugins.hparams import api as hp
 
 METRICS_FILE = 'metrics.jsonl'
-
-
-class JsonlWriter(metric_writers.MetricWriter):
-  """Appends every scalar write to a JSON-lines file: {"step": 468, "eval/accuracy": 0.98}."""
-
-  def __init__(self, path: str):
-    # Line-buffered: each write is in the file at once, for the sweep's pruner and for users.
-    self._file = open(path, 'a', encoding='utf-8', buffering=1)  # pylint: disable=consider-using-with
-
-  def write_scalars(self, step, scalars):
-    line = {'step': int(step), **{name: value if isinstance(value, int) else float(value)
-                                  for name, value in scalars.items()}}
-    self._file.write(json.dumps(line) + '\n')
-
-  def write_summaries(self, step, values, metadata=None):
-    pass
-
-  def write_images(self, step, images):
-    pass
-
-  def write_videos(self, step, videos):
-    pass
-
-  def write_audios(self, step, audios, *, sample_rate):
-    pass
-
-  def write_texts(self, step, texts):
-    pass
-
-  def write_histograms(self, step, arrays, num_buckets=None):
-    pass
-
-  def write_hparams(self, hparams):
-    pass
-
-  def flush(self):
-    self._file.flush()
-
-  def close(self):
-    self._file.close()
 
 
 def read_metrics(workdir: str) -> dict[int, dict[str, float]]:
