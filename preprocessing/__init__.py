@@ -21,6 +21,7 @@ is one function in one file here.
 
 from collections.abc import Callable
 import dataclasses
+import math
 
 import tensorflow as tf
 
@@ -138,7 +139,41 @@ def parse(spec: str, key: str = _KEY) -> Preprocessing:
                        scale_op=ops['scale'][0] if ops['scale'] else None)
 
 
+# The ops' argument checks, each raising the ValueError that the registry reports as a
+# `ConfigError` naming the op.
+
+
+def _is_number(value) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def check_int(name: str, value, minimum: int) -> None:
-  """Raises ValueError unless `value` is an integer >= `minimum` (an op's argument check)."""
+  """Raises ValueError unless `value` is an integer >= `minimum`."""
   if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
     raise ValueError(f'{name}={value!r} must be an integer >= {minimum}')
+
+
+def check_number(name: str, value, low: float, high: float, *, low_open: bool = False) -> float:
+  """`value` as a float; ValueError unless it is a number in [low, high] ((low, high] when
+  `low_open`)."""
+  if not _is_number(value) or not (low < value if low_open else low <= value) or value > high:
+    raise ValueError(f'{name}={value!r} must be a number in {"(" if low_open else "["}{low:g}, '
+                     f'{high:g}]')
+  return float(value)
+
+
+def check_numbers(name: str, values) -> tuple[float, ...]:
+  """`values` (a number, or a tuple of numbers: one per channel) as a tuple."""
+  values = tuple(values) if isinstance(values, (tuple, list)) else (values,)
+  if not values or not all(_is_number(value) for value in values):
+    raise ValueError(f'{name}={values!r} must be a number or a tuple of numbers (one per channel)')
+  return values
+
+
+def check_interval(name: str, value, high: float = math.inf) -> tuple[float, float]:
+  """`value` as a pair (a, b) with 0 < a <= b <= high: a range to draw from."""
+  if (not isinstance(value, (tuple, list)) or len(value) != 2
+      or not all(_is_number(end) for end in value) or not 0 < value[0] <= value[1] <= high):
+    bound = '' if high == math.inf else f' <= {high:g}'
+    raise ValueError(f'{name}={value!r} must be a pair (a, b) with 0 < a <= b{bound}')
+  return float(value[0]), float(value[1])

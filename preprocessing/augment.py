@@ -74,8 +74,6 @@ def rotate_by(images: tf.Tensor, angles: tf.Tensor) -> tf.Tensor:
 
 @preprocessing.OPS.register('rotate', stage='random')
 def rotate(degrees: float) -> preprocessing.RandomOp:
-  if isinstance(degrees, bool) or not isinstance(degrees, (int, float)) or not 0 < degrees <= 180:
-    raise ValueError(f'degrees={degrees!r} must be a number in (0, 180]')
-  limit = degrees * math.pi / 180
+  limit = preprocessing.check_number('degrees', degrees, 0, 180, low_open=True) * math.pi / 180
   return lambda images, seed: rotate_by(images, tf.random.stateless_uniform(
       tf.shape(images)[:1], seed, -limit, limit))

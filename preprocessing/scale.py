@@ -7,19 +7,11 @@ import tensorflow as tf
 import preprocessing
 
 
-def _numbers(name: str, values) -> tuple[float, ...]:
-  values = tuple(values) if isinstance(values, (tuple, list)) else (values,)
-  if not values or not all(isinstance(value, (int, float)) and not isinstance(value, bool)
-                           for value in values):
-    raise ValueError(f'{name}={values!r} must be a number or a tuple of numbers (one per channel)')
-  return values
-
-
 @preprocessing.OPS.register('value_range', stage='scale')
 def value_range(low: float, high: float) -> preprocessing.ScaleOp:
   """Pixels mapped linearly from [0, 1] to [low, high], e.g. value_range(-1, 1)."""
-  low, = _numbers('low', low)
-  high, = _numbers('high', high)
+  low, = preprocessing.check_numbers('low', low)
+  high, = preprocessing.check_numbers('high', high)
   if not low < high:
     raise ValueError(f'low={low} must be below high={high}')
   return lambda images: images * (high - low) + low
@@ -29,7 +21,7 @@ def value_range(low: float, high: float) -> preprocessing.ScaleOp:
 def normalize(mean: float | Sequence[float], std: float | Sequence[float]) -> preprocessing.ScaleOp:
   """(pixel - mean) / std per channel, on pixels in [0, 1] (torchvision's Normalize), e.g.
   normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)) for ImageNet statistics."""
-  mean, std = _numbers('mean', mean), _numbers('std', std)
+  mean, std = preprocessing.check_numbers('mean', mean), preprocessing.check_numbers('std', std)
   if any(value <= 0 for value in std):
     raise ValueError(f'std={std} must be positive')
   mean_tensor, std_tensor = tf.constant(mean, tf.float32), tf.constant(std, tf.float32)

@@ -45,22 +45,6 @@ def _split(seed: tf.Tensor, num: int) -> list[tf.Tensor]:
   return tf.unstack(tf.random.experimental.stateless_split(seed, num))
 
 
-def _number(name: str, value, low: float, high: float) -> float:
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-    raise ValueError(f'{name}={value!r} must be a number in [{low}, {high}]')
-  return float(value)
-
-
-def _interval(name: str, value, high: float = math.inf) -> tuple[float, float]:
-  """`value` as a pair (a, b) with 0 < a <= b <= high: a range to draw from."""
-  if (not isinstance(value, (tuple, list)) or len(value) != 2
-      or any(isinstance(end, bool) or not isinstance(end, (int, float)) for end in value)
-      or not 0 < value[0] <= value[1] <= high):
-    bound = '' if high == math.inf else f' <= {high:g}'
-    raise ValueError(f'{name}={value!r} must be a pair (a, b) with 0 < a <= b{bound}')
-  return float(value[0]), float(value[1])
-
-
 def _per_image(values: tf.Tensor) -> tf.Tensor:
   """(batch,) -> (batch, 1, 1, 1): one value per image, broadcast over its pixels."""
   return values[:, None, None, None]
@@ -179,8 +163,8 @@ def _resized_crops(images: tf.Tensor, tops: tf.Tensor, lefts: tf.Tensor, heights
 def inception_crop(size: int, scale: tuple[float, float] = (0.08, 1.0),
                    ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> preprocessing.RandomOp:
   preprocessing.check_int('size', size, 1)
-  return functools.partial(_inception_crop, size=size, scale=_interval('scale', scale, 1.0),
-                           ratio=_interval('ratio', ratio))
+  return functools.partial(_inception_crop, size=size, scale=preprocessing.check_interval('scale', scale, 1.0),
+                           ratio=preprocessing.check_interval('ratio', ratio))
 
 
 @preprocessing.OPS.register('color_jitter', stage='random')
@@ -192,9 +176,9 @@ def color_jitter(brightness: float = 0.4, contrast: float = 0.4, saturation: flo
   colour circle uniform in [-hue, hue]. Strengths of 0 skip their step.
   """
   brightness, contrast, saturation = (
-      _number(name, value, 0, math.inf) for name, value in
+      preprocessing.check_number(name, value, 0, math.inf) for name, value in
       (('brightness', brightness), ('contrast', contrast), ('saturation', saturation)))
-  hue = _number('hue', hue, 0, 0.5)
+  hue = preprocessing.check_number('hue', hue, 0, 0.5)
 
   def jitter(images: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
     num = tf.shape(images)[0]
@@ -259,8 +243,8 @@ def random_erasing(p: float = 0.25, scale: tuple[float, float] = (0.02, 1 / 3),
   if value != 'random' and (isinstance(value, (bool, str)) or not isinstance(value, (int, float))
                             or not 0 <= value <= 1):
     raise ValueError(f"value={value!r} must be a number in [0, 1] or 'random'")
-  return functools.partial(_random_erasing, p=_number('p', p, 0, 1),
-                           scale=_interval('scale', scale, 1.0), ratio=_interval('ratio', ratio),
+  return functools.partial(_random_erasing, p=preprocessing.check_number('p', p, 0, 1),
+                           scale=preprocessing.check_interval('scale', scale, 1.0), ratio=preprocessing.check_interval('ratio', ratio),
                            value=value)
 
 
@@ -411,7 +395,7 @@ def randaugment(n: int = 2, m: float = 9) -> preprocessing.RandomOp:
   black, as `rotate` does (timm fills with grey).
   """
   preprocessing.check_int('n', n, 1)
-  ops = _randaugment_ops(_number('m', m, 0, 30))
+  ops = _randaugment_ops(preprocessing.check_number('m', m, 0, 30))
 
   def rand_augment(images: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
     for round_seed in _split(seed, n):
