@@ -77,6 +77,7 @@ class VisionTransformer(nnx.Module):
     `dropout_rate`: dropout before the classifier; `remat`: recompute each block's
     activations in the backward pass to save memory."""
     common.check_rate('dropout_rate', dropout_rate)
+    rates = common.drop_path_rates(drop_path_rate, self.depth)
     height, width, channels = image_shape
     grid_size = (height // self.patch_size, width // self.patch_size)
     if min(grid_size) < 1:
@@ -91,8 +92,7 @@ class VisionTransformer(nnx.Module):
         common.TRUNC_NORMAL(rngs.params(), (1, 1 + grid_size[0] * grid_size[1], self.features)),
         grid_size=grid_size)
     self.blocks = nnx.List([
-        Block(self.features, self.num_heads, rate, layers=layers, rngs=rngs)
-        for rate in common.drop_path_rates(drop_path_rate, self.depth)])
+        Block(self.features, self.num_heads, rate, layers=layers, rngs=rngs) for rate in rates])
     self.norm = common.layer_norm(self.features, rngs=rngs)
     self.dropout = layers.dropout(rate=dropout_rate, rngs=rngs)
     self.head = layers.linear(self.features, num_classes, kernel_init=common.TRUNC_NORMAL,

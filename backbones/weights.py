@@ -108,9 +108,10 @@ def load_pretrained(model: nnx.Module, model_name: str, path: str,
         f'config.init_from={path!r} holds PyTorch weights, which load only into the pretrained '
         f'backbones, not model {model_name!r}.', key='init_from', value=path)
   state_dict = read_state_dict(path)
-  converted, unexpected = _convert(state_dict, key_map, dict(_variables(model)))
-  loaded, fresh, missing = [], [], []
-  for name, variable in _variables(model):
+  variables = _variables(model)
+  converted, unexpected = _convert(state_dict, key_map, dict(variables))
+  to_load, fresh, missing = [], [], []
+  for name, variable in variables:
     source = converted.get(name)
     if any(re.search(pattern, name) for pattern in exclude):
       fresh.append(f'{name} (init_exclude)')
@@ -119,15 +120,18 @@ def load_pretrained(model: nnx.Module, model_name: str, path: str,
     elif source.shape != variable.shape:
       fresh.append(f'{name} ({tuple(variable.shape)}, {tuple(source.shape)} there)')
     else:
-      variable.set_value(jax.device_put(source.astype(variable.dtype), variable[...].sharding))
-      loaded.append(name)
-  if missing or unexpected or not loaded:
+      to_load.append((name, variable, source))
+  if missing or unexpected or not to_load:
     raise errors.ConfigError(
         f'config.init_from={path!r} does not hold the weights of a {model_name!r}: '
         f'{len(missing)} of its arrays are not there (e.g. {", ".join(missing[:3]) or "none"}), '
         f'{len(unexpected)} there are not its own (e.g. {", ".join(unexpected[:3]) or "none"})'
-        f'{", and none fits" if not loaded else ""}. Pass weights of this architecture, or '
+        f'{", and none fits" if not to_load else ""}. Pass weights of this architecture, or '
         'name the arrays to leave out in config.init_exclude.', key='init_from', value=path)
+  # Only a file found to fit changes the model.
+  for _, variable, source in to_load:
+    variable.set_value(jax.device_put(source.astype(variable.dtype), variable[...].sharding))
+  loaded = [name for name, _, _ in to_load]
   logging.info('Initialised the model from %s: loaded %d arrays%s.', path, len(loaded),
                f'; re-initialised {len(fresh)}: {", ".join(fresh)}' if fresh else '')
   return loaded, fresh
