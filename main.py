@@ -67,12 +67,19 @@ def load_config() -> ml_collections.ConfigDict:
   config = run_spec.saved_config(FLAGS.workdir) if os.path.isdir(FLAGS.workdir) else None
   if config is None or (FLAGS.mode == 'train' and FLAGS['config'].present):
     return FLAGS.config
-  for key, value in config_flags.get_override_values(FLAGS['config']).items():
-    *parents, name = key.split('.')
-    section = config
-    for parent in parents:
-      section = section[parent]
-    section[name] = value
+  try:
+    overrides = config_flags.get_override_values(FLAGS['config'])
+    for key, value in overrides.items():
+      *parents, name = key.split('.')
+      section = config
+      for parent in parents:
+        section = section[parent]
+      section[name] = value
+  except (KeyError, AttributeError, TypeError) as error:
+    raise errors.FlagError(
+        f'A --config.<key> override names no key of the config {FLAGS.workdir} was trained '
+        f'with ({error}): set keys it has, or train a new workdir with a config that defines '
+        'it.', flag='config', value=str(error)) from None
   return config
 
 

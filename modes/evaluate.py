@@ -68,7 +68,8 @@ def _write_report(workdir: str, split: str, step: int, checkpoint: str,
                'per_class': {column: values.tolist()
                              for column, values in result.per_class.items()},
                'class_names': list(info.class_names)}, file, indent=2)
-  print('\n'.join(f'  {name:<28} {value:.4f}' for name, value in result.scalars.items()))
+  print('\n'.join(f'  {name:<28} {value if isinstance(value, int) else f"{value:.4f}"}'
+                  for name, value in result.scalars.items()))
   written = [path]
   if result.per_class:
     csv_path = report_path(workdir, split, step, 'csv')
