@@ -12,7 +12,6 @@ from clu import metric_writers
 from clu import parameter_overview
 from flax import nnx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from core import errors
@@ -22,6 +21,7 @@ import input_pipeline
 from training import checkpointing
 from training import evaluation
 from training import hooks
+from training import init_from
 from training import loggers
 from training import parallel
 from training import run_spec
@@ -230,7 +230,7 @@ def _resume(session: Session, loop: hooks.Loop, run_hooks: hooks.Hooks) -> None:
   checkpoints.warn_if_disk_low(loop.state)
   restored = checkpoints.restore_newest(loop.state, move_aside=True)
   if restored is None and run.init_from:
-    _init_from(run, loop.state)
+    init_from.load(run, loop.state)
   if restored is None:
     logging.info('No checkpoint in %s: training from scratch.', checkpoints.directory)
     summaries.write_config(session.writer, session.workdir, run.settings, run.hparam_metrics())
@@ -243,30 +243,6 @@ def _resume(session: Session, loop: hooks.Loop, run_hooks: hooks.Hooks) -> None:
         f'{loop.steps_per_epoch}: resume with the same data to continue the same data order, '
         'or pass a new --workdir.', key='train_split', value=run.input.train_split)
   run_hooks.load_state_dict(progress['hooks'])
-
-
-def _init_from(run: run_spec.Run, state: state_lib.TrainState) -> None:
-  """Starts the model from the weights of run.init_from: a workdir's best checkpoint (else its
-  newest), or a checkpoint directory; see `checkpointing.init_weights`."""
-  path = run.init_from
-  saved_path = checkpointing.checkpoint_path(path)
-  if (source := run_spec.saved_config(path)) is not None:
-    best = run_spec.resolve(source).best
-    with contextlib.closing(checkpointing.Checkpoints(path, best.name, best.maximize)) as saved:
-      if (step := saved.best_step()) is not None:
-        saved_path = os.path.join(path, checkpointing.CHECKPOINT_DIR, str(step), 'state')
-  loaded, _ = checkpointing.init_weights(state.model, saved_path, run.init_exclude)
-  if not loaded:
-    raise errors.ConfigError(
-        f'config.init_from={path!r}: no parameter of its checkpoint {saved_path} has the path '
-        f'and shape of one of model {state.model.__class__.__name__!r}: is it the same kind of '
-        'model?', key='init_from', value=path)
-  if state.ema is not None:  # The average starts at the loaded weights.
-    # Copies: the train step donates both, so they must not share buffers.
-    jax.tree.map(lambda average, variable: average.set_value(jnp.copy(variable[...])),
-                 state.ema.params,
-                 nnx.state(state.model, state.ema.filter),
-                 is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _evaluate_best(session: Session, at_end: evaluation.Evaluation,

@@ -5,11 +5,15 @@ Each reads the config and the dataset info that training saved in the workdir, s
 builds the model of a checkpoint (`--checkpoint=latest|best|STEP`) exactly as training did.
 """
 
+import contextlib
+
+from absl import logging
 from flax import nnx
 
 import input_pipeline
 from data_sources import base
 from training import checkpointing
+from training import init_from
 from training import run_spec
 from training import state as state_lib
 from training import workdirs
@@ -24,14 +28,22 @@ def dataset_info(run: run_spec.Run, workdir: str) -> base.DatasetInfo:
 def load_model(run: run_spec.Run, workdir: str, info: base.DatasetInfo,
                checkpoint: str = 'latest') -> tuple[nnx.Module, int]:
   """The model of a checkpoint in `workdir`, in eval mode, with the EMA weights when the run
-  averaged them; and the checkpoint's step. A `CheckpointError` if there is no such one."""
+  averaged them; and the checkpoint's step. Without a checkpoint there, the weights of
+  config.init_from (step 0), so that imported weights are scored or used before any training.
+  A `CheckpointError` if there is neither."""
   checkpoints = checkpointing.Checkpoints(workdir, run.best.name, run.best.maximize)
   # The structure only: the schedule's values are never used.
   state = state_lib.create(run.model, info, run.optimization,
                            run.optimization.learning_rate_schedule(steps_per_epoch=1),
                            seed=run.seed, ema_decay=run.ema_decay)
-  step = checkpoints.restore(state, checkpoint)
-  checkpoints.close()
+  with contextlib.closing(checkpoints):
+    if run.init_from and not checkpoints.all_steps():
+      logging.info('No checkpoint in %s: the model of config.init_from=%r.',
+                   checkpoints.directory, run.init_from)
+      init_from.load(run, state)
+      step = 0
+    else:
+      step = checkpoints.restore(state, checkpoint)
   model = state.eval_model()
   model.eval()
   return model, step

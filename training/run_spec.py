@@ -16,11 +16,13 @@ end with the best checkpoint) and those of `config.evaluations`, each
 from collections.abc import Callable
 import dataclasses
 import json
+import os
 import re
 
 import ml_collections
 import optax
 
+from backbones import weights
 from configs import default
 from core import errors
 import data_sources
@@ -29,6 +31,7 @@ import input_pipeline
 import kernels
 import models
 import preprocessing
+from training import checkpointing
 from training import evaluation
 from training import evaluators
 from training import loggers
@@ -158,7 +161,7 @@ def resolve(config: ml_collections.ConfigDict) -> Run:
       profile_steps=config.profile_steps,
       early_stopping_patience=config.early_stopping_patience,
       early_stopping_min_delta=config.early_stopping_min_delta,
-      init_from=config.init_from, init_exclude=tuple(config.init_exclude),
+      init_from=_checked_init_from(config.init_from), init_exclude=tuple(config.init_exclude),
       loggers=loggers.check(config.loggers))
 
 
@@ -306,6 +309,18 @@ def _extra_evaluation(config: ml_collections.ConfigDict, name: str,
   return evaluation.Evaluation(
       name, split, evaluators.create(spec, f'{key}.evaluators'),
       preprocess if own is None else preprocessing.parse(own, f'{key}.preprocess'), every=every)
+
+
+def _checked_init_from(path: str | None) -> str | None:
+  """config.init_from, checked to exist before any data is read: PyTorch weights (a file, or
+  `hf-hub:` read when loaded) or a workdir or checkpoint of this app."""
+  if path and weights.is_pretrained_path(path):
+    _require(path.startswith(weights.HUB_PREFIX) or os.path.isfile(path), 'init_from', path,
+             f'config.init_from={path!r} is not a file: pass the path of a .safetensors (or '
+             '.pth, .pt, .bin) state_dict, or hf-hub:<repo> in the Hugging Face cache.')
+  elif path:
+    checkpointing.checkpoint_path(path)
+  return path
 
 
 def _best_metric(name: str, evaluations: tuple[evaluation.Evaluation, ...]) -> BestMetric:

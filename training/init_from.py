@@ -1,0 +1,53 @@
+"""Starts a model from weights trained elsewhere (config.init_from), in training and in the modes.
+
+`init_from` names a workdir of this app (its best checkpoint, else its newest), a checkpoint
+directory, or PyTorch weights of a pretrained backbone: a timm/torchvision state_dict file
+(`.safetensors`, `.pth`, `.pt`, `.bin`) or `hf-hub:<repo>` in the local Hugging Face cache
+(`backbones/weights.py`). Parameters of another path or shape (a new head) start fresh.
+"""
+
+import contextlib
+import os
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
+from backbones import weights
+from core import errors
+from training import checkpointing
+from training import run_spec
+from training import state as state_lib
+
+
+def load(run: run_spec.Run, state: state_lib.TrainState) -> None:
+  """Loads run.init_from into `state`'s model (but the run.init_exclude patterns); the EMA, if
+  any, starts at the loaded weights."""
+  path = run.init_from
+  if weights.is_pretrained_path(path):
+    weights.load_pretrained(state.model, run.model.name, path, run.init_exclude)
+  else:
+    _load_checkpoint(path, state.model, run.init_exclude)
+  if state.ema is not None:
+    # Copies: the train step donates both, so they must not share buffers.
+    jax.tree.map(lambda average, variable: average.set_value(jnp.copy(variable[...])),
+                 state.ema.params,
+                 nnx.state(state.model, state.ema.filter),
+                 is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _load_checkpoint(path: str, model: nnx.Module, exclude: tuple[str, ...]) -> None:
+  """A workdir's best checkpoint (else its newest), or a checkpoint directory; see
+  `checkpointing.init_weights`."""
+  saved_path = checkpointing.checkpoint_path(path)
+  if (source := run_spec.saved_config(path)) is not None:
+    best = run_spec.resolve(source).best
+    with contextlib.closing(checkpointing.Checkpoints(path, best.name, best.maximize)) as saved:
+      if (step := saved.best_step()) is not None:
+        saved_path = os.path.join(path, checkpointing.CHECKPOINT_DIR, str(step), 'state')
+  loaded, _ = checkpointing.init_weights(model, saved_path, exclude)
+  if not loaded:
+    raise errors.ConfigError(
+        f'config.init_from={path!r}: no parameter of its checkpoint {saved_path} has the path '
+        f'and shape of one of model {model.__class__.__name__!r}: is it the same kind of '
+        'model?', key='init_from', value=path)
