@@ -266,25 +266,41 @@ def _optimization(config: ml_collections.ConfigDict) -> optimizers.Optimization:
       nonfinite=config.nonfinite)
 
 
+@dataclasses.dataclass(frozen=True)
+class _EvaluationKeys:
+  """Where an evaluation's values are in the config: its split, evaluators and (for its own)
+  preprocessing, as (config key, value) pairs; the test split's are checked even when unset."""
+  name: str
+  split: tuple[str, str | None]
+  evaluators: tuple[str, str]
+  preprocess: tuple[str, str | None] = ('preprocess', None)  # None: the run's.
+  every: str | int = evaluation.EVERY_EPOCH
+
+
 def _evaluations(config: ml_collections.ConfigDict,
                  preprocess: preprocessing.Preprocessing) -> tuple[evaluation.Evaluation, ...]:
   """The run's evaluations: 'eval', 'test' (with a test split) and `config.evaluations`."""
-  evaluations = [evaluation.Evaluation('eval', config.eval_split,
-                                       evaluators.create(config.evaluators), preprocess)]
-  key = 'test_evaluators' if config.test_evaluators else 'evaluators'
-  test_evaluators = evaluators.create(config[key], key)  # Checked even without a test split.
-  if config.test_split:
-    evaluations.append(evaluation.Evaluation('test', config.test_split, test_evaluators,
-                                             preprocess, every=evaluation.AT_END))
-  for name, section in config.get('evaluations', {}).items():
-    evaluations.append(_extra_evaluation(config, name, section, preprocess))
+  test_key = 'test_evaluators' if config.test_evaluators else 'evaluators'
+  described = [_EvaluationKeys('eval', ('eval_split', config.eval_split),
+                               ('evaluators', config.evaluators)),
+               _EvaluationKeys('test', ('test_split', config.test_split),
+                               (test_key, config[test_key]), every=evaluation.AT_END)]
+  described += [_extra_evaluation(config, name, section)
+                for name, section in config.get('evaluations', {}).items()]
+  evaluations = []
+  for keys in described:
+    built = evaluators.create(keys.evaluators[1], keys.evaluators[0])
+    own_key, own = keys.preprocess
+    if keys.split[1]:
+      evaluations.append(evaluation.Evaluation(
+          keys.name, keys.split[1], built,
+          preprocess if own is None else preprocessing.parse(own, own_key), every=keys.every))
   return tuple(evaluations)
 
 
 def _extra_evaluation(config: ml_collections.ConfigDict, name: str,
-                      section: ml_collections.ConfigDict,
-                      preprocess: preprocessing.Preprocessing) -> evaluation.Evaluation:
-  """config.evaluations.`name`: its split, evaluators (default config.evaluators),
+                      section: ml_collections.ConfigDict) -> _EvaluationKeys:
+  """config.evaluations.`name` checked: its split, evaluators (default config.evaluators),
   preprocessing (default the run's) and cadence (default every epoch)."""
   key = f'evaluations.{name}'
   _require(bool(_EVALUATION_NAME.fullmatch(name)) and name not in ('eval', 'test'), key, name,
@@ -304,11 +320,10 @@ def _extra_evaluation(config: ml_collections.ConfigDict, name: str,
            f'{key}.every', every,
            f"config.{key}.every={every!r} is invalid: it must be 'epoch', 'end' or a number of "
            'steps >= 1.')
-  spec = section.get('evaluators') or config.evaluators
-  own = section.get('preprocess')
-  return evaluation.Evaluation(
-      name, split, evaluators.create(spec, f'{key}.evaluators'),
-      preprocess if own is None else preprocessing.parse(own, f'{key}.preprocess'), every=every)
+  return _EvaluationKeys(
+      name, (f'{key}.split', split),
+      (f'{key}.evaluators', section.get('evaluators') or config.evaluators),
+      (f'{key}.preprocess', section.get('preprocess')), every)
 
 
 def _checked_init_from(path: str | None) -> str | None:
