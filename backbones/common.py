@@ -40,10 +40,16 @@ def check_rate(name: str, value: float) -> None:
     raise ValueError(f'{name} must be in [0, 1), not {value!r}')
 
 
-def drop_path_rates(drop_path_rate: float, num_blocks: int) -> list[float]:
+def drop_path_rates(drop_path_rate: float, num_blocks: int,
+                    dropout_rate: float = 0.0) -> list[float]:
   """Stochastic depth growing linearly from 0 at the first block to `drop_path_rate` at the
-  last, as in timm (and Huang et al. 2016)."""
+  last, as in timm (and Huang et al. 2016); `dropout_rate` (before the classifier) checked too.
+
+  The backbones' options, the same for each: `drop_path_rate` (of the last block),
+  `dropout_rate` (before the classifier) and `remat` (recompute each block's activations in the
+  backward pass to save memory)."""
   check_rate('drop_path_rate', drop_path_rate)
+  check_rate('dropout_rate', dropout_rate)
   return [drop_path_rate * index / max(num_blocks - 1, 1) for index in range(num_blocks)]
 
 

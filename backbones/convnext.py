@@ -76,11 +76,8 @@ class ConvNeXt(nnx.Module):
   def __init__(self, image_shape: tuple[int, int, int], num_classes: int, *,
                layers: kernels.Layers, rngs: nnx.Rngs, drop_path_rate: float = 0.0,
                dropout_rate: float = 0.0, remat: bool = False):
-    """`drop_path_rate`: stochastic depth of the last block (linear from 0 at the first);
-    `dropout_rate`: dropout before the classifier; `remat`: recompute each block's
-    activations in the backward pass to save memory."""
-    common.check_rate('dropout_rate', dropout_rate)
-    rates = common.drop_path_rates(drop_path_rate, sum(self.depths))
+    """Options: see `common.drop_path_rates`."""
+    rates = common.drop_path_rates(drop_path_rate, sum(self.depths), dropout_rate)
     self.stem_conv = common.conv(layers, image_shape[-1], self.widths[0], 4, stride=4,
                                  padding=0, use_bias=True, kernel_init=common.TRUNC_NORMAL,
                                  rngs=rngs)

@@ -91,11 +91,8 @@ class ResNet(nnx.Module):
   def __init__(self, image_shape: tuple[int, int, int], num_classes: int, *,
                layers: kernels.Layers, rngs: nnx.Rngs, drop_path_rate: float = 0.0,
                dropout_rate: float = 0.0, remat: bool = False):
-    """`drop_path_rate`: stochastic depth of the last block (linear from 0 at the first);
-    `dropout_rate`: dropout before the classifier; `remat`: recompute each block's
-    activations in the backward pass to save memory."""
-    common.check_rate('dropout_rate', dropout_rate)
-    rates = iter(common.drop_path_rates(drop_path_rate, sum(self.depths)))
+    """Options: see `common.drop_path_rates`."""
+    rates = iter(common.drop_path_rates(drop_path_rate, sum(self.depths), dropout_rate))
     self.conv1 = common.conv(layers, image_shape[-1], 64, 7, stride=2, rngs=rngs)
     self.bn1 = common.batch_norm(layers, 64, rngs=rngs)
     stages, in_features = [], 64

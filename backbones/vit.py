@@ -73,11 +73,8 @@ class VisionTransformer(nnx.Module):
   def __init__(self, image_shape: tuple[int, int, int], num_classes: int, *,
                layers: kernels.Layers, rngs: nnx.Rngs, drop_path_rate: float = 0.0,
                dropout_rate: float = 0.0, remat: bool = False):
-    """`drop_path_rate`: stochastic depth of the last block (linear from 0 at the first);
-    `dropout_rate`: dropout before the classifier; `remat`: recompute each block's
-    activations in the backward pass to save memory."""
-    common.check_rate('dropout_rate', dropout_rate)
-    rates = common.drop_path_rates(drop_path_rate, self.depth)
+    """Options: see `common.drop_path_rates`."""
+    rates = common.drop_path_rates(drop_path_rate, self.depth, dropout_rate)
     height, width, channels = image_shape
     grid_size = (height // self.patch_size, width // self.patch_size)
     if min(grid_size) < 1:
