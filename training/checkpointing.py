@@ -97,13 +97,29 @@ def _orbax_warnings_only(record) -> bool:
   metrics while it tracks a best: the mid-epoch saves carry none on purpose (the best is an
   epoch-end checkpoint). Its warning of the preemption sync point comes at each of its checks,
   3-4 times per process; the run's last line says where it saved and why it stopped.
+
+  A failed read or write also leaves asyncio tasks of Orbax whose exception nobody retrieves;
+  asyncio logs each with its traceback when the task is garbage-collected, at any later moment
+  (in one of several runs of a damaged checkpoint's fallback): the restore or save reported the
+  same failure once already.
   """
+  if record.name == 'asyncio' and record.exc_info and _raised_in_orbax(record.exc_info[2]):
+    return False
   if f'{os.sep}orbax{os.sep}' not in record.pathname:
     return True
   message = record.getMessage()
   return record.levelno >= python_logging.WARNING and not any(
       repeated in message for repeated in ('raised an exception', 'did not provide metrics',
                                            'Reached preemption sync point'))
+
+
+def _raised_in_orbax(trace) -> bool:
+  """Whether a traceback passes through Orbax's code."""
+  while trace is not None:
+    if f'{os.sep}orbax{os.sep}' in trace.tb_frame.f_code.co_filename:
+      return True
+    trace = trace.tb_next
+  return False
 
 
 @contextlib.contextmanager
