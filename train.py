@@ -39,6 +39,7 @@ class Session:
   mesh: jax.sharding.Mesh
   checkpoints: checkpointing.Checkpoints
   writer: metric_writers.MetricWriter
+  eval_batch_size: int  # run.eval_batch_size rounded up to a multiple of the device count.
 
   def place(self, batch: input_pipeline.Batch):
     """This process's share of a batch as global arrays, split over the devices."""
@@ -65,7 +66,7 @@ def train_and_evaluate(run: run_spec.Run, workdir: str) -> dict[str, float]:
     logging.info('Dataset: %s', data.info)
     workdirs.save_info(workdir, data.info)
     session = Session(run, workdir, data, mesh, checkpoints,
-                      loggers.create_writer(run.loggers, workdir))
+                      loggers.create_writer(run.loggers, workdir), _eval_batch_size(run, mesh))
     stack.callback(session.writer.close)
     steps_per_epoch = data.info.num_train_examples // run.batch_size
     schedule = run.optimization.learning_rate_schedule(steps_per_epoch)
@@ -129,12 +130,12 @@ def _evaluations(run: run_spec.Run, during_training: bool) -> list[evaluation.Ev
           if (candidate.every != evaluation.AT_END) == during_training]
 
 
-def _eval_batch_size(session: Session) -> int:
-  """run.eval_batch_size rounded up to a multiple of the device count."""
-  size = parallel.round_up(session.run.eval_batch_size, session.mesh)
-  if size != session.run.eval_batch_size:
+def _eval_batch_size(run: run_spec.Run, mesh: jax.sharding.Mesh) -> int:
+  """run.eval_batch_size rounded up to a multiple of the device count (said once)."""
+  size = parallel.round_up(run.eval_batch_size, mesh)
+  if size != run.eval_batch_size:
     logging.info('Eval batch size %d rounded up to %d, a multiple of the %d devices.',
-                 session.run.eval_batch_size, size, session.mesh.size)
+                 run.eval_batch_size, size, mesh.size)
   return size
 
 
@@ -142,7 +143,7 @@ def _eval_batches(session: Session, evaluation_: evaluation.Evaluation):
   """The sharded, masked eval batches of an evaluation's split; each example counts once."""
   return input_pipeline.open_eval_batches(
       session.data, session.run.input, evaluation_.split,
-      session.data.eval_sizes[evaluation_.name], _eval_batch_size(session),
+      session.data.eval_sizes[evaluation_.name], session.eval_batch_size,
       evaluation_.preprocess, session.place)
 
 
@@ -181,7 +182,7 @@ def _compile(session: Session, state: state_lib.TrainState, class_counts):
       input_pipeline.batch_layout(info, run.batch_size, targets=run.input.mixes),
       session.mesh)).compile()
   eval_layout = parallel.abstract_batch(
-      input_pipeline.batch_layout(info, _eval_batch_size(session), mask=True), session.mesh)
+      input_pipeline.batch_layout(info, session.eval_batch_size, mask=True), session.mesh)
   for during in _evaluations(run, during_training=True):
     during.compile(state.eval_model(), eval_layout, info)
   return train_step
