@@ -23,6 +23,7 @@ from collections.abc import Callable
 import dataclasses
 import math
 
+import numpy as np
 import tensorflow as tf
 
 from core import errors
@@ -70,8 +71,11 @@ class Preprocessing:
     return images
 
   def scale(self, images: tf.Tensor) -> tf.Tensor:
-    """uint8 -> float32 in [0, 1], then stage 3."""
-    return self._scale_op(tf.cast(images, tf.float32) / 255.0)
+    """uint8 -> float32 in [0, 1], then stage 3: on a TensorFlow tensor or, as well, a JAX
+    array (the scale ops are arithmetic only)."""
+    if isinstance(images, tf.Tensor):
+      return self._scale_op(tf.cast(images, tf.float32) / 255.0)
+    return self._scale_op(images.astype(np.float32) / np.float32(255.0))
 
   def _scale_op(self, images: tf.Tensor) -> tf.Tensor:
     return images if self.scale_op is None else self.scale_op(images)

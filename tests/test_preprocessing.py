@@ -1,5 +1,6 @@
 """The preprocessing language: parsing, stages, resize methods, scaling and the random ops."""
 
+import jax
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -88,10 +89,20 @@ def test_scale_ops_map_the_unit_range():
   assert error.value.key == 'preprocess'
 
 
+def test_scale_ops_give_the_same_values_on_jax_arrays_and_by_name():
+  pixels = np.arange(0, 256, 5, np.uint8).reshape(1, -1, 1, 1).repeat(3, axis=-1)
+  named, numbers = (preprocessing.parse(spec) for spec in (
+      "normalize('imagenet')", 'normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))'))
+  expected = numbers.eval_batch(tf.constant(pixels)).numpy()
+  np.testing.assert_allclose(named.eval_batch(tf.constant(pixels)).numpy(), expected)
+  np.testing.assert_allclose(np.asarray(jax.jit(named.scale)(pixels)), expected, atol=1e-6)
+
+
 @pytest.mark.parametrize('spec', ['shear(10)', 'rotate(0)', 'random_crop(32, pad=-1)',
                                   'random_crop(32, 4, 5)', 'random_crop(32', 'translate(size)',
                                   'flip_lr|resize(32)', 'normalize(0, 1)|value_range(0, 1)',
-                                  'resize(8, method="fit")', 'normalize(0, 0)'])
+                                  'resize(8, method="fit")', 'normalize(0, 0)',
+                                  "normalize('cifar')", 'normalize(0.5)'])
 def test_bad_specs_are_config_errors(spec):
   with pytest.raises(errors.ConfigError) as error:
     preprocessing.parse(spec)
