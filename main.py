@@ -33,6 +33,7 @@ from modes import evaluate
 from modes import export
 from modes import predict
 import train
+from training import calibration
 from training import checkpointing
 from training import parallel
 from training import run_spec
@@ -50,7 +51,12 @@ flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'export', 'predict'],
                   'the images of --inputs).')
 flags.mark_flags_as_required(['workdir'])
 flags.DEFINE_string('inputs', None, '--mode=predict: an image file, a directory of images '
-                    '(searched recursively) or a glob pattern.')
+                    '(searched recursively), a glob pattern or a CSV file listing images.')
+flags.DEFINE_integer('top_k', 1, '--mode=predict: the N most probable classes of each image '
+                     '(columns class_1,probability_1,...; 1: file,class,probability).')
+flags.DEFINE_enum('tta', None, list(calibration.TTA_CHOICES), '--mode=predict: test-time '
+                  'augmentation, flip: the mean softmax over each image and its mirror '
+                  '(--mode=eval: config.eval_tta).')
 flags.DEFINE_string('checkpoint', 'latest', '--mode=eval/export/predict: the checkpoint to use: '
                     'latest, best (best config.best_metric at an epoch end) or a step number.')
 flags.DEFINE_bool('verbose', False, "Show the libraries' start-up notices and INFO lines.")
@@ -102,7 +108,8 @@ def main(argv):
     elif FLAGS.mode == 'export':
       export.export_saved_model(run, FLAGS.workdir, FLAGS.checkpoint)
     else:
-      predict.predict(run, FLAGS.workdir, FLAGS.inputs, FLAGS.checkpoint)
+      predict.predict(run, FLAGS.workdir, FLAGS.inputs, FLAGS.checkpoint, FLAGS.top_k,
+                      FLAGS.tta)
   except errors.UserError as error:
     sys.exit(error.one_line())
   except runtime.Interrupted as error:

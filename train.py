@@ -18,6 +18,7 @@ from core import errors
 from core import runtime
 from data_sources import base
 import input_pipeline
+from training import calibration
 from training import checkpointing
 from training import evaluation
 from training import hooks
@@ -99,6 +100,8 @@ def train_and_evaluate(run: run_spec.Run, workdir: str) -> dict[str, float]:
     final = dict(loop.metrics)
     for at_end in _evaluations(run, during_training=False):
       final.update(_evaluate_best(session, at_end, loop))
+    if run.temperature_scaling:
+      _fit_temperature(session, loop)
   _log_summary(run, workdir, checkpoints, time.time() - start)
   return final
 
@@ -266,6 +269,20 @@ def _evaluate_best(session: Session, at_end: evaluation.Evaluation,
                         if not name.endswith('/num_examples')),
                result.num_examples, at_end.split)
   return result.scalars
+
+
+def _fit_temperature(session: Session, loop: hooks.Loop) -> None:
+  """Fits the temperature of the best checkpoint on the eval split and saves it in the workdir
+  (training's own evaluations, the test split's included, score the logits as they are)."""
+  scored = session.run.evaluation('eval')
+  step = session.checkpoints.restore(loop.state, 'best')
+  fit = calibration.fit_temperature(*calibration.collect_logits(
+      loop.state.eval_model(), _eval_batches(session, scored)))
+  if jax.process_index() == 0:
+    path = calibration.save_temperature(session.workdir, fit, split=scored.split, step=step)
+    logging.info('Temperature scaling: T=%.4f fitted on %r (best checkpoint, step %d): its NLL '
+                 '%.4f -> %.4f; eval, predict and export divide the logits by T (%s).',
+                 fit.temperature, scored.split, step, fit.nll_before, fit.nll_after, path)
 
 
 def _log_summary(run: run_spec.Run, workdir: str, checkpoints: checkpointing.Checkpoints,

@@ -141,6 +141,13 @@ def get_config() -> ml_collections.ConfigDict:
   # '<name>/<scalar>', e.g. {'holdout': {'split': 'train[55000:]', 'every': 200}}.
   config.evaluations = ml_collections.ConfigDict()
   config.eval_batch_size = 1000  # Examples per eval step; the last batch is padded and masked.
+  # Test-time augmentation of --mode=eval (predict: --tta): 'flip' averages the softmax over each
+  # image and its left-right mirror; None = off. Training's evaluations score the images alone.
+  config.eval_tta = ml_collections.config_dict.placeholder(str)
+  # After training, fit one temperature dividing the logits (minimum NLL on the eval split, best
+  # checkpoint) into <workdir>/temperature.json: probabilities that match the accuracy, the
+  # classes unchanged. Eval, predict and export apply it while this is on.
+  config.temperature_scaling = False
   # Before every eval, BatchNorm's statistics are recomputed with the current weights over the
   # epoch's last this many training batches ("precise BN"); 0 = the running averages as
   # trained, which lag the weights (docs/training_options.md).

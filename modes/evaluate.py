@@ -2,9 +2,13 @@
 
     python main.py --workdir=runs/mnist --mode=eval [--checkpoint=best] [--config.eval_split=...]
 
-Prints a short table and writes `<workdir>/eval_<split>_<step>.json` (every metric) and, with
-the per_class evaluator, `<workdir>/eval_<split>_<step>.csv` (class, support, precision, recall,
-F1); the scalars also go to TensorBoard under `<workdir>/eval_only`.
+A report by default: the evaluators of config.evaluators and, where they lack them, per_class
+and confusion_matrix. Prints a short table and writes `<workdir>/eval_<split>_<step>.json`
+(every metric), `<workdir>/eval_<split>_<step>.csv` (class, support, precision, recall, F1) and
+each picture as `<workdir>/eval_<split>_<step>_<picture>.png` (the confusion matrix, ...); the
+scalars and pictures also go to TensorBoard under `<workdir>/eval_only`. The logits are divided
+by the workdir's fitted temperature when config.temperature_scaling is on, and averaged over the
+image and its mirror with config.eval_tta='flip'.
 """
 
 import csv
@@ -14,10 +18,13 @@ import re
 
 from clu import metric_writers
 import jax
+from PIL import Image
 
 import input_pipeline
 import modes
+from training import calibration
 from training import evaluation
+from training import evaluators
 from training import parallel
 from training import run_spec
 
@@ -25,25 +32,33 @@ EVAL_DIR = 'eval_only'  # TensorBoard run (a subdirectory of the workdir) of eva
 _PRINTED_CLASSES = 20
 
 
-def report_path(workdir: str, split: str, step: int, extension: str) -> str:
-  """<workdir>/eval_<split>_<step>.<extension>, the split made a file name ('train_90_')."""
+def report_path(workdir: str, split: str, step: int, extension: str, part: str = '') -> str:
+  """<workdir>/eval_<split>_<step>[_<part>].<extension>, the split made a file name
+  ('train_90_')."""
   name = re.sub(r'[^A-Za-z0-9]+', '_', split).strip('_')
-  return os.path.join(workdir, f'eval_{name}_{step}.{extension}')
+  return os.path.join(workdir, f'eval_{name}_{step}{f"_{part}" if part else ""}.{extension}')
 
 
 def evaluate_checkpoint(run: run_spec.Run, workdir: str,
                         checkpoint: str = 'latest') -> dict[str, float]:
   """Evaluates a checkpoint (--checkpoint) with the run's 'eval' evaluation (config.eval_split
-  and config.evaluators); prints, writes a report."""
+  and config.evaluators, with the report's); prints, writes a report."""
   mesh = parallel.create_mesh()
   jax.set_mesh(mesh)  # As in training: the model is replicated, eval batches are sharded.
   info = modes.dataset_info(run, workdir)
   model, step = modes.load_model(run, workdir, info, checkpoint)
-  scored = run.evaluation('eval')
+  temperature = calibration.saved_temperature(workdir) if run.temperature_scaling else 1.0
+  model = calibration.scored(model, temperature, run.eval_tta)
+  configured = run.evaluation('eval')
+  scored = evaluation.Evaluation(
+      configured.name, configured.split,
+      evaluators.with_report(evaluators.create(run.settings['evaluators'])), configured.preprocess)
   data = input_pipeline.open_data(run.input, {'eval': run.eval_splits()['eval']})
   num_examples = data.eval_sizes[scored.name]
+  applied = ''.join((f', temperature {temperature:.4f}' if temperature != 1.0 else '',
+                     f', test-time augmentation {run.eval_tta!r}' if run.eval_tta else ''))
   print(f'Evaluating the checkpoint at step {step} on {data.info.name} {scored.split!r} '
-        f'({num_examples} examples).', flush=True)
+        f'({num_examples} examples{applied}).', flush=True)
   batches = input_pipeline.open_eval_batches(
       data, run.input, scored.split, num_examples, parallel.round_up(run.eval_batch_size, mesh),
       scored.preprocess, lambda batch: parallel.shard(batch, mesh))
@@ -54,16 +69,17 @@ def evaluate_checkpoint(run: run_spec.Run, workdir: str,
     if result.images:
       writer.write_images(step, result.images)
     writer.close()
-    _write_report(workdir, scored.split, step, checkpoint, result, info)
+    _write_report(workdir, scored.split, step, checkpoint, result, info,
+                  {'temperature': temperature, 'tta': run.eval_tta})
   return result.scalars
 
 
 def _write_report(workdir: str, split: str, step: int, checkpoint: str,
-                  result: evaluation.Result, info) -> None:
-  """The JSON report, the per-class CSV and the printed table."""
+                  result: evaluation.Result, info, applied: dict) -> None:
+  """The JSON report, the per-class CSV, the pictures and the printed table."""
   path = report_path(workdir, split, step, 'json')
   with open(path, 'w', encoding='utf-8') as file:
-    json.dump({'split': split, 'step': step, 'checkpoint': checkpoint,
+    json.dump({'split': split, 'step': step, 'checkpoint': checkpoint, **applied,
                'num_examples': result.num_examples, 'metrics': result.scalars,
                'per_class': {column: values.tolist()
                              for column, values in result.per_class.items()},
@@ -88,4 +104,7 @@ def _write_report(workdir: str, split: str, step: int, checkpoint: str,
     if len(rows) > _PRINTED_CLASSES:
       print(f'  ({len(rows) - _PRINTED_CLASSES} more classes in the CSV)')
     written.append(csv_path)
+  for name, picture in result.images.items():
+    written.append(report_path(workdir, split, step, 'png', name.split('/')[-1]))
+    Image.fromarray(picture).save(written[-1])
   print(f'Report: {", ".join(written)}')

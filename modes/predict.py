@@ -1,21 +1,30 @@
 """Predict mode: classifies image files with a checkpoint, into a CSV of class names.
 
     python main.py --workdir=runs/mnist --mode=predict --inputs=PATH [--checkpoint=best]
+        [--top_k=N] [--tta=flip]
 
-PATH is an image file, a directory (searched recursively) or a glob pattern. Every image is
-preprocessed as the eval images were: decoded as training decodes image folders (a GIF's first
-frame, EXIF orientation applied, transparency composited onto white), given the model's
-channels (a grayscale image is converted for a colour model; a colour image for a grayscale
-model is refused), resized and scaled by `config.preprocess`. Files that are not readable
-JPEG/PNG/BMP/GIF images are skipped with one warning naming them. `<workdir>/predictions.csv`
-gets one row per image: `file,class,probability` (the class name and its softmax probability).
-The class names and input shape come from the dataset info that training saved in the workdir,
-so the training data is not needed.
+PATH is an image file, a directory (searched recursively), a glob pattern, or a `.csv` file
+listing images: its first column, or its column named `file` or `path`, holds paths relative to
+the CSV's directory or absolute (a first row that names no file, such as `image,label`, is a
+header). Every image is preprocessed as the eval images were: decoded as training decodes image
+folders (a GIF's first frame, EXIF orientation applied, transparency composited onto white),
+given the model's channels (a grayscale image is converted for a colour model; a colour image
+for a grayscale model is refused), resized and scaled by `config.preprocess`. Files that are not
+readable JPEG/PNG/BMP/GIF images are skipped with one warning naming them.
+
+`<workdir>/predictions.csv` gets one row per image: `file,class,probability` (the class name and
+its softmax probability), or with `--top_k=N` > 1 `file,class_1,probability_1,...,class_N,
+probability_N` (the N most probable classes, most probable first). The probabilities are those
+of the workdir's fitted temperature when config.temperature_scaling is on, and with `--tta=flip`
+the mean over each image and its left-right mirror. A long predict logs a progress line every
+10 s with an ETA. The class names and input shape come from the dataset info that training saved
+in the workdir, so the training data is not needed.
 """
 
 import csv
 import glob
 import os
+import time
 
 from absl import logging
 from flax import nnx
@@ -26,20 +35,56 @@ import tensorflow as tf
 from core import errors
 from data_sources import folder_source
 import modes
+from training import calibration
+from training import hooks
 from training import run_spec
 
 PREDICTIONS_FILE = 'predictions.csv'
 _PRINTED_ROWS = 10
 _NAMED_FILES = 3  # Files named in an error.
+PROGRESS_SECONDS = 10.0  # A progress line at most this often.
+_PATH_COLUMNS = ('file', 'path')  # Header names of a CSV list's column of paths.
 
 
 def find_inputs(inputs: str) -> list[str]:
-  """The files that `inputs` names: itself, the files under a directory, or a glob's matches."""
+  """The files that `inputs` names: itself, the files under a directory, those a CSV file
+  lists, or a glob's matches."""
   if os.path.isdir(inputs):
     return folder_source.find_files(inputs)
   if os.path.isfile(inputs):
-    return [inputs]
+    return listed_files(inputs) if inputs.lower().endswith('.csv') else [inputs]
   return sorted(path for path in glob.glob(inputs, recursive=True) if os.path.isfile(path))
+
+
+def listed_files(path: str) -> list[str]:
+  """The image paths a CSV file lists, in its order: its column named file or path, else its
+  first column; relative paths are relative to the CSV's directory. A `FlagError` for a CSV
+  that cannot be read or lists no path."""
+  def refuse(problem: str):
+    return errors.FlagError(
+        f'--inputs={path!r} {problem}: give a UTF-8 CSV file whose first column (or a column '
+        f'named {" or ".join(_PATH_COLUMNS)}) lists image paths, relative to the CSV or '
+        'absolute.', flag='inputs', value=path)
+  try:
+    with open(path, newline='', encoding='utf-8-sig') as file:
+      rows = [[cell.strip() for cell in row] for row in csv.reader(file)
+              if any(cell.strip() for cell in row)]
+  except (OSError, UnicodeDecodeError, csv.Error) as error:
+    raise refuse(f'is not a readable CSV file ({error})') from None
+  if not rows:
+    raise refuse('is empty')
+  named = [k for k, cell in enumerate(rows[0]) if cell.lower() in _PATH_COLUMNS]
+  column = named[0] if named else 0
+  folder = os.path.dirname(path)
+  # A header names its columns; a path has a file extension (or exists).
+  first = rows[0][0]
+  if named or ('.' not in first and not os.path.isfile(os.path.join(folder, first))):
+    rows = rows[1:]
+  entries = [row[column] if column < len(row) else '' for row in rows]
+  if not entries or not all(entries):
+    empty = entries.index('') + 2 if '' in entries else None
+    raise refuse(f'has an empty path in row {empty}' if empty else 'lists no path')
+  return [os.path.join(folder, entry) for entry in entries]  # An absolute entry stays itself.
 
 
 @nnx.jit
@@ -47,15 +92,50 @@ def _probabilities(model: nnx.Module, images: jax.Array) -> jax.Array:
   return jax.nn.softmax(model(images).astype(jax.numpy.float32))
 
 
-def predict(run: run_spec.Run, workdir: str, inputs: str | None,
-            checkpoint: str = 'latest') -> str:
-  """Writes the predicted class of each image under `inputs` to <workdir>/predictions.csv."""
+class _Progress:
+  """A line every `every_seconds` while predicting: images done, images/s and an ETA, from the
+  batches finished since the first (which includes the compilation)."""
+
+  def __init__(self, total: int, every_seconds: float):
+    self._total, self._every = total, every_seconds
+    self._first = None  # (time, images done) after the first batch.
+    self._last_report = 0.0
+
+  def update(self, done: int) -> None:
+    now = time.monotonic()
+    if self._first is None:
+      self._first = now, done
+      self._last_report = now
+      return
+    if now - self._last_report < self._every or done >= self._total:
+      return
+    self._last_report = now
+    rate = (done - self._first[1]) / max(now - self._first[0], 1e-9)
+    logging.info('predicted %d/%d images (%.1f%%): %.1f images/s, ETA %s', done, self._total,
+                 100 * done / self._total, rate,
+                 hooks.duration((self._total - done) / max(rate, 1e-9)))
+
+
+def predict(run: run_spec.Run, workdir: str, inputs: str | None, checkpoint: str = 'latest',
+            top_k: int = 1, tta: str | None = None) -> str:
+  """Writes the `top_k` most probable classes of each image under `inputs` to
+  <workdir>/predictions.csv, with test-time augmentation `tta` (calibration.TTA_CHOICES)."""
   if not inputs:
     raise errors.FlagError(
         '--mode=predict needs --inputs=PATH: an image file, a directory of images (searched '
-        'recursively) or a glob pattern such as "photos/*.jpg".', flag='inputs', value=inputs)
+        'recursively), a glob pattern such as "photos/*.jpg" or a CSV file listing images.',
+        flag='inputs', value=inputs)
   info = modes.dataset_info(run, workdir)
+  if not (isinstance(top_k, int) and 1 <= top_k <= info.num_classes):
+    raise errors.FlagError(
+        f'--top_k={top_k} is invalid: the model has {info.num_classes} classes, so give a '
+        f'number in [1, {info.num_classes}].', flag='top_k', value=top_k)
+  if tta not in (None, *calibration.TTA_CHOICES):
+    raise errors.FlagError(f'--tta={tta!r} is invalid: use one of {calibration.TTA_CHOICES} or '
+                           'leave it unset.', flag='tta', value=tta)
   model, step = modes.load_model(run, workdir, info, checkpoint)
+  temperature = calibration.saved_temperature(workdir) if run.temperature_scaling else 1.0
+  model = calibration.scored(model, temperature, tta)
   headers, skipped = folder_source.read_headers(find_inputs(inputs))
   if not headers:
     found = f' (only {len(skipped)} unreadable files)' if skipped else ''
@@ -71,7 +151,8 @@ def predict(run: run_spec.Run, workdir: str, inputs: str | None,
         f'--inputs has {len(colour)} colour images ({named}) but the model takes grayscale '
         'images: convert them to grayscale, or use a model trained on colour images.',
         flag='inputs', value=inputs)
-  logging.info('Predicting %d images with the checkpoint at step %d.', len(headers), step)
+  logging.info('Predicting %d images with the checkpoint at step %d (temperature %.4f, '
+               'test-time augmentation %s).', len(headers), step, temperature, tta)
   preprocess = run.input.preprocess
 
   def prepared(path, orientation, alpha) -> dict[str, tf.Tensor]:
@@ -90,30 +171,39 @@ def predict(run: run_spec.Run, workdir: str, inputs: str | None,
              .map(lambda batch: {**batch, 'image': preprocess.eval_batch(batch['image'])})
              .prefetch(1))
   paths, probabilities = [], []
+  progress = _Progress(len(headers), PROGRESS_SECONDS)
   for batch in batches.as_numpy_iterator():
     paths += [path.decode() for path in batch['path']]
     probabilities.append(np.asarray(_probabilities(model, batch['image'])))
+    progress.update(len(paths))
   decoded = set(paths)
   folder_source.warn_skipped(skipped + [header.path for header in headers
                                         if header.path not in decoded])
   probabilities = np.concatenate(probabilities) if probabilities else np.zeros((0, 1))
-  rows = [(path, info.class_names[label], float(row[label]))
-          for path, row, label in zip(paths, probabilities, probabilities.argmax(axis=1))]
+  # Most probable first; a stable sort keeps argmax's choice among ties as the first class.
+  ranked = np.argsort(-probabilities, axis=1, kind='stable')[:, :top_k]
+  rows = [(path, *((info.class_names[label], float(row[label])) for label in labels))
+          for path, row, labels in zip(paths, probabilities, ranked)]
+  header = ('file', 'class', 'probability') if top_k == 1 else (
+      'file', *(f'{column}_{rank}' for rank in range(1, top_k + 1)
+                for column in ('class', 'probability')))
   path = os.path.join(workdir, PREDICTIONS_FILE)
   with open(path, 'w', newline='', encoding='utf-8') as file:
     writer = csv.writer(file)
-    writer.writerow(('file', 'class', 'probability'))
-    writer.writerows((file, name, f'{probability:.6f}') for file, name, probability in rows)
-  _print_table(rows, path)
+    writer.writerow(header)
+    writer.writerows((file, *(value for name, probability in ranks
+                              for value in (name, f'{probability:.6f}')))
+                     for file, *ranks in rows)
+  _print_table(header, rows, path)
   return path
 
 
-def _print_table(rows: list[tuple[str, str, float]], path: str) -> None:
-  shown = rows[:_PRINTED_ROWS]
-  file_width = max(len('file'), *(len(file) for file, _, _ in shown))
-  class_width = max(len('class'), *(len(name) for _, name, _ in shown))
-  print(f'{"file":<{file_width}}  {"class":<{class_width}}  probability')
-  for file, name, probability in shown:
-    print(f'{file:<{file_width}}  {name:<{class_width}}  {probability:.4f}')
+def _print_table(header: tuple[str, ...], rows: list[tuple], path: str) -> None:
+  shown = [(file, *(value for name, probability in ranks
+                    for value in (name, f'{probability:.4f}')))
+           for file, *ranks in rows[:_PRINTED_ROWS]]
+  widths = [max([len(title), *(len(row[k]) for row in shown)]) for k, title in enumerate(header)]
+  for row in (header, *shown):
+    print('  '.join(f'{value:<{width}}' for value, width in zip(row, widths)).rstrip())
   more = f'{len(rows) - len(shown)} more; ' if len(rows) > len(shown) else ''
   print(f'({more}{len(rows)} predictions in {path})')

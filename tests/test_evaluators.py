@@ -64,6 +64,7 @@ def _expected(logits, labels):
     recall.append(r)
     f1.append(2 * p * r / (p + r) if p + r else 0.0)
     support.append(np.sum(labels == k))
+  probabilities = np.exp(log_probs)
   occurring = np.union1d(labels, predicted)
   present = np.unique(labels)
   top3 = np.argsort(-logits, axis=1)[:, :3]
@@ -75,10 +76,22 @@ def _expected(logits, labels):
       'macro_recall': np.mean(np.array(recall)[occurring]),
       'macro_f1': np.mean(np.array(f1)[occurring]),
       'balanced_accuracy': np.mean(np.array(recall)[present]),
+      'ece': _numpy_ece(probabilities.max(axis=1), predicted == labels),
   }, {'precision': precision, 'recall': recall, 'f1': f1, 'support': support}
 
 
-SPEC = 'loss|accuracy|top_k(3)|per_class|balanced_accuracy|confusion_matrix|misclassified(4)'
+def _numpy_ece(confidences, correct, bins=15):
+  """Guo et al.'s ECE, bin by bin: bin m holds the confidences in ((m-1)/bins, m/bins]."""
+  ece = 0.0
+  for m in range(bins):
+    in_bin = (confidences > m / bins) & (confidences <= (m + 1) / bins)
+    if in_bin.any():
+      ece += in_bin.mean() * abs(correct[in_bin].mean() - confidences[in_bin].mean())
+  return ece
+
+
+SPEC = ('loss|accuracy|top_k(3)|per_class|balanced_accuracy|confusion_matrix|misclassified(4)'
+        '|ece')
 
 
 @pytest.mark.parametrize('batch_size', [203, 64, 7])
@@ -92,7 +105,25 @@ def test_every_evaluator_equals_the_direct_computation(batch_size):
   for column, values in expected_per_class.items():
     np.testing.assert_allclose(per_class[column], values, rtol=1e-6, err_msg=column)
   assert per_class['support'][3] == 0 and per_class['precision'][4] == 0  # The edge classes.
-  assert set(pictures) == {'confusion_matrix', 'misclassified'}
+  assert set(pictures) == {'confusion_matrix', 'misclassified', 'reliability_diagram'}
+
+
+def test_ece_of_a_hand_checked_split_counts_every_example_once():
+  # Confidences (top probabilities) 0.9 right and 0.88 wrong share the bin (13/15, 14/15]:
+  # accuracy 0.5, confidence 0.89, gap 0.39; 0.5 right: gap 0.5; 0.7 right: gap 0.3. Over the
+  # split: (2 * 0.39 + 0.5 + 0.3) / 4 = 0.395. Batches of 3 put the last example with padding
+  # (a confident right answer, were it counted); the mean of the batches' ECEs would be 0.363.
+  probabilities = np.array([[0.9, 0.025, 0.025, 0.025, 0.025], [0.88, 0.03, 0.03, 0.03, 0.03],
+                            [0.5, 0.2, 0.1, 0.1, 0.1], [0.1, 0.7, 0.1, 0.05, 0.05]])
+  labels = np.array([0, 1, 0, 1], np.int32)
+  results, _, pictures, states = _run('ece', np.log(probabilities).astype(np.float32), labels,
+                                      batch_size=3)
+  assert results['ece'] == pytest.approx(0.395, abs=1e-6)
+  assert results['ece'] == pytest.approx(_numpy_ece(probabilities.max(axis=1),
+                                                    probabilities.argmax(axis=1) == labels))
+  state, = states
+  assert state['count'].sum() == 4 and state['count'][13] == 2 and state['correct'][13] == 1
+  assert pictures['reliability_diagram'].dtype == np.uint8
 
 
 def test_misclassified_keeps_the_first_errors_in_order():
@@ -110,7 +141,15 @@ def test_misclassified_keeps_the_first_errors_in_order():
 def test_directions_and_bad_specs():
   assert evaluators.directions(evaluators.create('loss|accuracy|top_k(5)')) == {
       'loss': False, 'accuracy': True, 'top5_accuracy': True}
-  for spec in ('top_k(0)', 'accuracy|accuracy', 'f2_score', 'misclassified(count=-1)'):
+  for spec in ('top_k(0)', 'accuracy|accuracy', 'f2_score', 'misclassified(count=-1)',
+               'ece(bins=0)'):
     with pytest.raises(errors.ConfigError) as error:
       evaluators.create(spec)
     assert (error.value.key, error.value.value) == ('evaluators', spec)
+
+
+def test_the_report_adds_per_class_and_the_confusion_matrix_once():
+  names = lambda spec: [evaluator.name for evaluator in
+                        evaluators.with_report(evaluators.create(spec))]
+  assert names('loss|accuracy') == ['loss', 'accuracy', 'per_class', 'confusion_matrix']
+  assert names('confusion_matrix|ece|per_class') == ['confusion_matrix', 'ece', 'per_class']

@@ -1,7 +1,7 @@
 """Evaluators: what an evaluation measures, chosen by `config.evaluators`.
 
 `config.evaluators` is a string of evaluators joined by '|', each with optional Python-literal
-arguments, e.g. 'loss|accuracy|top_k(5)|per_class|confusion_matrix|misclassified(36)'. An
+arguments, e.g. 'loss|accuracy|top_k(5)|per_class|confusion_matrix|misclassified(36)|ece'. An
 evaluation (training/evaluation.py) runs all of its evaluators in one pass: on the device, each
 folds every batch into a small state of sums (masked padding counts nothing; with several
 devices or processes XLA sums across them), and on the host turns the final state into scalars
@@ -203,6 +203,50 @@ class ConfusionMatrix(_Confusion):
     return {'confusion_matrix': pictures.confusion_matrix(np.asarray(state), info.class_names)}
 
 
+@EVALUATORS.register('ece')
+class CalibrationError(Evaluator):
+  """The expected calibration error over `bins` equal-width confidence bins, `ece` (Guo et al.,
+  2017): sum over the bins of |accuracy - mean confidence| weighted by the bin's share of the
+  examples, the confidence being the top softmax probability; and a reliability diagram.
+
+  Each bin's count, confidence and correct predictions are summed over the whole split, so the
+  result is the split's ECE, not a mean of per-batch ones. Bin m holds confidences in
+  ((m-1)/bins, m/bins].
+  """
+  name = 'ece'
+  directions = {'ece': False}
+
+  def __init__(self, bins: int = 15):
+    if not isinstance(bins, int) or isinstance(bins, bool) or bins < 1:
+      raise ValueError(f'bins={bins!r} must be an integer >= 1')
+    self.bins = bins
+
+  def init(self, info):
+    return {'count': jnp.zeros(self.bins, jnp.int32),
+            'confidence': jnp.zeros(self.bins, jnp.float32),
+            'correct': jnp.zeros(self.bins, jnp.int32)}
+
+  def update(self, state, logits, batch):
+    probabilities = jax.nn.softmax(logits)
+    confidence = probabilities.max(axis=-1)
+    correct = logits.argmax(axis=-1) == batch['label']
+    bins = jnp.clip(jnp.ceil(confidence * self.bins).astype(jnp.int32) - 1, 0, self.bins - 1)
+    # Masked one-hot bins times the values: a small matmul (as _Confusion's) for the sums.
+    in_bin = jax.nn.one_hot(bins, self.bins) * batch['mask'][:, None]
+    return {'count': state['count'] + jnp.round(in_bin.sum(axis=0)).astype(jnp.int32),
+            'confidence': state['confidence'] + confidence @ in_bin,
+            'correct': state['correct'] + jnp.round(correct.astype(jnp.float32) @ in_bin).astype(jnp.int32)}
+
+  def results(self, state, info):
+    gaps = np.abs(np.asarray(state['correct'], np.float64) - state['confidence'])
+    return {'ece': float(gaps.sum() / max(int(np.sum(state['count'])), 1))}
+
+  def images(self, state, info):
+    return {'reliability_diagram': pictures.reliability_diagram(
+        np.asarray(state['count']), np.asarray(state['confidence']),
+        np.asarray(state['correct']))}
+
+
 @EVALUATORS.register('misclassified')
 class Misclassified(Evaluator):
   """A grid of the first `count` misclassified examples, captioned 'true -> predicted'."""
@@ -249,6 +293,14 @@ def create(spec: str, key: str = 'evaluators') -> list[Evaluator]:
     raise errors.ConfigError(
         f'config.{key}={spec!r} is invalid: it names one evaluator twice.', key=key, value=spec)
   return evaluators
+
+
+def with_report(chosen: list[Evaluator]) -> list[Evaluator]:
+  """`chosen` and, where it lacks them, `per_class` and `confusion_matrix`: what the eval
+  report (--mode=eval) always has."""
+  names = {evaluator.name for evaluator in chosen}
+  return [*chosen, *(report() for report in (PerClass, ConfusionMatrix)
+                     if report.name not in names)]
 
 
 def directions(evaluators: list[Evaluator]) -> dict[str, bool]:

@@ -1,4 +1,5 @@
-"""Pictures of an evaluation for TensorBoard: a labelled confusion matrix, a captioned error grid.
+"""Pictures of an evaluation for TensorBoard: a labelled confusion matrix, a captioned error grid,
+a reliability diagram.
 
 Drawn with PIL's built-in font, so they look the same on every machine. Both are sized for
 TensorBoard's image cards: readable at the card's width for 10 classes, and for 100 classes
@@ -92,6 +93,51 @@ def confusion_matrix(counts: np.ndarray, class_names: tuple[str, ...] = ()) -> n
   total = counts.sum()
   draw.text((4, size[1] - _FONT_SIZE - 6), f'{total} examples, rows normalised; '
             f'accuracy {np.trace(counts) / max(total, 1):.2%}', fill='dimgray', font=_FONT)
+  return np.asarray(image)
+
+
+def reliability_diagram(counts: np.ndarray, confidences: np.ndarray,
+                        correct: np.ndarray) -> np.ndarray:
+  """A uint8 RGB reliability diagram of equal-width confidence bins, from each bin's example
+  count and sums of confidence and of correct predictions: a bar of the bin's accuracy, its gap
+  to the bin's mean confidence in red, the diagonal of perfect calibration, and the ECE.
+
+  Empty bins have no bar. Under the axis, each bin's share of the examples as a thin gray bar,
+  so that a large gap in a nearly empty bin reads as the little it weighs.
+  """
+  bins = len(counts)
+  side, left, top, share_height = _MATRIX_PIXELS, 48, 2 * _FONT_SIZE + 10, 30
+  bottom = top + side
+  image = Image.new('RGB', (left + side + 12, bottom + share_height + 2 * _FONT_SIZE + 16),
+                    'white')
+  draw = ImageDraw.Draw(image)
+  total = max(int(counts.sum()), 1)
+  ece = float(np.abs(correct - confidences).sum()) / total
+  draw.text((4, 2), f'reliability: accuracy per confidence bin; ECE {ece:.2%}', fill='black',
+            font=_FONT)
+  draw.text((4, _FONT_SIZE + 4), 'red: gap to the mean confidence', fill='firebrick', font=_FONT)
+  y = lambda value: bottom - value * side  # Accuracy or confidence to pixels.
+  width = side / bins
+  for m in range(bins):
+    x0, x1 = left + m * width, left + (m + 1) * width - 1
+    if counts[m]:
+      accuracy, confidence = correct[m] / counts[m], confidences[m] / counts[m]
+      draw.rectangle((x0, y(accuracy), x1, bottom), fill=(90, 120, 220), outline='white')
+      draw.rectangle((x0, min(y(accuracy), y(confidence)), x1, max(y(accuracy), y(confidence))),
+                     fill=(235, 110, 110), outline='white')
+    draw.rectangle((x0, bottom + share_height * (1 - counts[m] / total) + 4, x1,
+                    bottom + share_height + 4), fill='gray')
+  draw.line((left, bottom, left + side, top), fill='dimgray', width=1)  # Perfect calibration.
+  draw.rectangle((left, top, left + side, bottom), outline='black')
+  for tick in (0.0, 0.5, 1.0):
+    label = f'{tick:.1f}'
+    draw.text((left - _text_width(label) - 4, y(tick) - _FONT_SIZE / 2 - 2), label, fill='black',
+              font=_FONT)
+    if tick != 0.5:  # The axis's name is in the middle.
+      draw.text((left + tick * side - _text_width(label) / 2, bottom + share_height + 8), label,
+                fill='black', font=_FONT)
+  draw.text((left + side / 2 - _text_width('confidence') / 2, bottom + share_height + 8),
+            'confidence', fill='dimgray', font=_FONT)
   return np.asarray(image)
 
 

@@ -31,6 +31,7 @@ import input_pipeline
 import kernels
 import models
 import preprocessing
+from training import calibration
 from training import checkpointing
 from training import evaluation
 from training import evaluators
@@ -45,7 +46,8 @@ _COUNTS = ('batch_size', 'eval_batch_size', 'num_epochs', 'log_every_steps',
            'grad_accum_steps')
 _NON_NEGATIVE = ('early_stopping_patience', 'profile_steps', 'precise_bn_batches')
 _CHOICES = {'in_memory': input_pipeline.IN_MEMORY, 'input_backend': input_pipeline.INPUT_BACKENDS,
-            'nonfinite': optimizers.NONFINITE}
+            'nonfinite': optimizers.NONFINITE, 'eval_tta': (None, *calibration.TTA_CHOICES),
+            'temperature_scaling': (False, True)}
 _EVALUATION_KEYS = ('split', 'evaluators', 'preprocess', 'every')
 _EVALUATION_NAME = re.compile(r'[A-Za-z_][A-Za-z0-9_]*')
 
@@ -74,6 +76,8 @@ class Run:
   ema_decay: float
   nonfinite: str
   eval_batch_size: int
+  eval_tta: str | None  # Test-time augmentation of --mode=eval (calibration.TTA_CHOICES).
+  temperature_scaling: bool  # Fit a temperature after training; eval and predict apply it.
   precise_bn_batches: int
   log_every_steps: int
   checkpoint_every_steps: int
@@ -154,7 +158,9 @@ def resolve(config: ml_collections.ConfigDict) -> Run:
       best=_best_metric(config.best_metric, evaluations),
       batch_size=config.batch_size, num_epochs=config.num_epochs, seed=config.seed,
       ema_decay=config.ema_decay, nonfinite=config.nonfinite,
-      eval_batch_size=config.eval_batch_size, precise_bn_batches=config.precise_bn_batches,
+      eval_batch_size=config.eval_batch_size, eval_tta=config.eval_tta,
+      temperature_scaling=config.temperature_scaling,
+      precise_bn_batches=config.precise_bn_batches,
       log_every_steps=config.log_every_steps,
       checkpoint_every_steps=config.checkpoint_every_steps,
       max_checkpoints_to_keep=config.max_checkpoints_to_keep,
