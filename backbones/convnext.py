@@ -10,6 +10,7 @@ from backbones import common
 from backbones import weights
 import kernels
 import models
+from training import optimizers
 
 _BLOCK = r'stages\.\d+\.blocks\.\d+'
 # timm's keys -> this module's paths.
@@ -101,8 +102,14 @@ class ConvNeXt(nnx.Module):
     return common.head(self.head_norm(x.mean(axis=(1, 2))), self.dropout, self.head)
 
 
+# Layers for layer-wise decay and linear probing, as timm's ConvNeXt.group_matcher (fine): a
+# stage's downsampling comes before its blocks.
+LAYERS = optimizers.LayerGroups(stem=r'^stem_', head=r'head\.',
+                                blocks=r'^stages\.(\d+)\.(?:downsample_|blocks\.(\d+)\.)')
+
+
 @models.MODELS.register(
-    'convnext_tiny', key_map=KEY_MAP,
+    'convnext_tiny', key_map=KEY_MAP, layers=LAYERS,
     # timm's default weights: ImageNet-12k pre-training fine-tuned on ImageNet-1k.
     pretrained=common.pretrained_cfg('timm/convnext_tiny.in12k_ft_in1k', crop_pct=0.95,
                                      interpolation='bicubic', mean=common.IMAGENET_MEAN,

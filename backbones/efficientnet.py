@@ -10,6 +10,7 @@ from backbones import common
 from backbones import weights
 import kernels
 import models
+from training import optimizers
 
 # Each stage: (blocks, kernel size, stride of its first block, expansion ratio, out features);
 # timm's arch_def of efficientnet_b0 (ds_r1_k3_s1_e1_c16, ir_r2_k3_s2_e6_c24, ...).
@@ -88,8 +89,13 @@ class MBConv(nnx.Module):
     return x + self.drop_path(y) if self.has_skip else y
 
 
+# Layers for layer-wise decay and linear probing, as timm's EfficientNet.group_matcher.
+LAYERS = optimizers.LayerGroups(stem=r'^(conv_stem|bn1)\.', blocks=r'^blocks\.(\d+)\.(\d+)\.',
+                                head=r'classifier\.')
+
+
 @models.MODELS.register(
-    'efficientnet_b0', key_map=KEY_MAP,
+    'efficientnet_b0', key_map=KEY_MAP, layers=LAYERS,
     # timm's default weights: trained with RandAugment (ra_in1k).
     pretrained=common.pretrained_cfg('timm/efficientnet_b0.ra_in1k', crop_pct=0.875,
                                      interpolation='bicubic', mean=common.IMAGENET_MEAN,

@@ -8,6 +8,7 @@ from backbones import common
 from backbones import weights
 import kernels
 import models
+from training import optimizers
 
 # torch keys (timm's and torchvision's are the same) -> this module's paths; attribute names
 # mirror torch's, so the map mostly says which transform each kind of layer needs.
@@ -125,21 +126,26 @@ _A1_IN1K = dict(crop_pct=0.95, interpolation='bicubic', mean=common.IMAGENET_MEA
                 std=common.IMAGENET_STD)
 
 
-@models.MODELS.register('resnet18', key_map=KEY_MAP,
+# Layers for layer-wise decay and linear probing, as timm's ResNet.group_matcher (fine).
+LAYERS = optimizers.LayerGroups(stem=r'^(conv1|bn1)\.', blocks=r'^layer(\d+)\.(\d+)\.',
+                                head=r'fc\.')
+
+
+@models.MODELS.register('resnet18', key_map=KEY_MAP, layers=LAYERS,
                         pretrained=common.pretrained_cfg('timm/resnet18.a1_in1k', **_A1_IN1K))
 class ResNet18(ResNet):
   """ResNet-18: basic blocks, 2-2-2-2 (11.7M parameters with 1,000 classes)."""
   block, depths = BasicBlock, (2, 2, 2, 2)
 
 
-@models.MODELS.register('resnet34', key_map=KEY_MAP,
+@models.MODELS.register('resnet34', key_map=KEY_MAP, layers=LAYERS,
                         pretrained=common.pretrained_cfg('timm/resnet34.a1_in1k', **_A1_IN1K))
 class ResNet34(ResNet):
   """ResNet-34: basic blocks, 3-4-6-3 (21.8M parameters with 1,000 classes)."""
   block, depths = BasicBlock, (3, 4, 6, 3)
 
 
-@models.MODELS.register('resnet50', key_map=KEY_MAP,
+@models.MODELS.register('resnet50', key_map=KEY_MAP, layers=LAYERS,
                         pretrained=common.pretrained_cfg('timm/resnet50.a1_in1k', **_A1_IN1K))
 class ResNet50(ResNet):
   """ResNet-50: bottleneck blocks, 3-4-6-3 (25.6M parameters with 1,000 classes)."""

@@ -10,6 +10,7 @@ from backbones import common
 from backbones import weights
 import kernels
 import models
+from training import optimizers
 
 # timm's keys -> this module's paths (its attribute names are timm's).
 KEY_MAP = (
@@ -112,8 +113,13 @@ _AUGREG = dict(crop_pct=0.9, interpolation='bicubic', mean=common.INCEPTION_MEAN
                std=common.INCEPTION_STD)
 
 
+# Layers for layer-wise decay and linear probing, as timm's VisionTransformer.group_matcher.
+LAYERS = optimizers.LayerGroups(stem=r'^(cls_token|pos_embed|patch_embed)',
+                                blocks=r'^blocks\.(\d+)\.', head=r'head\.')
+
+
 @models.MODELS.register(
-    'vit_tiny_patch16_224', key_map=KEY_MAP,
+    'vit_tiny_patch16_224', key_map=KEY_MAP, layers=LAYERS,
     pretrained=common.pretrained_cfg('timm/vit_tiny_patch16_224.augreg_in21k_ft_in1k', **_AUGREG))
 class ViTTiny(VisionTransformer):
   """ViT-Ti/16: 192 features, 12 blocks, 3 heads (5.7M parameters with 1,000 classes)."""
@@ -121,7 +127,7 @@ class ViTTiny(VisionTransformer):
 
 
 @models.MODELS.register(
-    'vit_small_patch16_224', key_map=KEY_MAP,
+    'vit_small_patch16_224', key_map=KEY_MAP, layers=LAYERS,
     pretrained=common.pretrained_cfg('timm/vit_small_patch16_224.augreg_in21k_ft_in1k',
                                      **_AUGREG))
 class ViTSmall(VisionTransformer):
@@ -130,7 +136,7 @@ class ViTSmall(VisionTransformer):
 
 
 @models.MODELS.register(
-    'vit_base_patch16_224', key_map=KEY_MAP,
+    'vit_base_patch16_224', key_map=KEY_MAP, layers=LAYERS,
     pretrained=common.pretrained_cfg('timm/vit_base_patch16_224.augreg2_in21k_ft_in1k',
                                      **_AUGREG))
 class ViTBase(VisionTransformer):

@@ -36,13 +36,18 @@ def get_config() -> ml_collections.ConfigDict:
   # train_split='train[:55000]', eval_split='train[55000:]', test_split='test'.
   config.test_split = ml_collections.config_dict.placeholder(str)
   # How images reach the model, ops joined by '|' (preprocessing/): first resize(size,
-  # method='stretch'|'crop'|'pad') for images of varying sizes, then random training ops
-  # (flip_lr, random_crop(size, pad), translate(pixels), rotate(degrees)), then at most one
-  # scaling (normalize(mean, std) or value_range(low, high); default: pixels in [0, 1]).
-  # More random ops: inception_crop(size), color_jitter(...), randaugment(n, m),
+  # method='stretch'|'crop'|'pad'), resize_small(size) or central_crop(size) for images of
+  # varying sizes, then at most one per-image crop from the decoded image
+  # (random_resized_crop(size, crop_pct=0.875)), then random training ops (flip_lr,
+  # random_crop(size, pad), translate(pixels), rotate(degrees)), then at most one scaling
+  # (normalize(mean, std), normalize('imagenet'), or value_range(low, high); default: pixels in
+  # [0, 1]). More random ops: inception_crop(size), color_jitter(...), randaugment(n, m),
   # random_erasing(p) (preprocessing/strong_augment.py).
-  # Eval, predict and the exported model apply the resize and the scaling.
-  # E.g. 'resize(32)|random_crop(32, pad=4)|flip_lr'.
+  # Eval, predict and the exported model apply the resize, the crop op's centre crop and the
+  # scaling. E.g. 'resize(32)|random_crop(32, pad=4)|flip_lr'.
+  # Unset ('') with init_from a backbone's pretrained weights: the model's own (timm's
+  # pretrained_cfg), e.g. "random_resized_crop(224, crop_pct=0.95, interpolation='bicubic')|
+  # flip_lr|normalize('imagenet')" for resnet50.
   config.preprocess = ''
   # 'always': decode each split into memory once; 'never': stream it from its files (TFDS and
   # image folders) every epoch, holding only shuffle_buffer_size examples; 'auto': in memory
@@ -114,6 +119,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.freeze = ()
   # {path pattern: factor}: the learning rate of the matching parameters, times the factor.
   config.lr_multipliers = ml_collections.ConfigDict()
+  # Linear probing: train the model's head alone (the rest frozen, BatchNorm statistics kept).
+  # Models that declare their layers (the backbones: resnet18, vit_*, convnext_tiny, ...).
+  config.linear_probe = False
+  # Layer-wise learning-rate decay: layer i of 0..L (stem, blocks, head) learns at
+  # layer_decay ** (L - i) times the rate (timm's --layer-decay, e.g. 0.75); 1 = off. Needs a
+  # model that declares its layers, as linear_probe.
+  config.layer_decay = 1.0
   config.batch_size = 128  # Training examples per step, over all devices and processes.
   # Steps whose mean gradient makes one optimizer update (optax.MultiSteps); 1 = off. With 2, a
   # batch_size of 64 updates as a batch of 128 would, except that BatchNorm normalises (and

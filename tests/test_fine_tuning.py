@@ -6,6 +6,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import tensorflow as tf
 
@@ -193,9 +194,54 @@ def test_any_optax_optimizer_by_name_clipping_and_schedules():
       nnx.state(state.model, nnx.Param))]
 
 
+def _first_updates(**options) -> dict[str, np.ndarray]:
+  """The first plain-SGD (rate 1) updates of a small resnet18 whose gradients are all ones."""
+  config = default.get_config()
+  config.update(model='resnet18', optimizer='sgd', learning_rate=1.0, **options)
+  config.optimizer_options.sgd.momentum = 0.0
+  run = run_spec.resolve(config)
+  model = nnx.eval_shape(lambda: run.model.build((32, 32, 3), 3, nnx.Rngs(0)))
+  params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                        nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  transform = run.optimization.transform(optax.constant_schedule(1.0), params)
+  updates, _ = transform.update(jax.tree.map(jnp.ones_like, params), transform.init(params),
+                                params)
+  return {optimizers.path_name(path): np.asarray(update)
+          for path, update in jax.tree_util.tree_leaves_with_path(updates)}
+
+
+def test_layer_decay_scales_each_layer_as_timm_numbers_them():
+  # resnet18's layers: the stem 0, its 8 blocks 1-8 in order, the head 9.
+  updates = _first_updates(layer_decay=0.5)
+  for name, layer in (('conv1.kernel', 0), ('bn1.scale', 0), ('layer1.0.conv1.kernel', 1),
+                      ('layer2.0.downsample_conv.kernel', 3), ('layer4.1.bn2.bias', 8),
+                      ('fc.kernel', 9), ('fc.bias', 9)):
+    np.testing.assert_allclose(updates[name], -(0.5 ** (9 - layer)), rtol=1e-6, err_msg=name)
+
+
+def test_linear_probe_trains_the_head_alone():
+  updates = _first_updates(linear_probe=True)
+  moved = sorted(name for name, update in updates.items() if np.any(update))
+  assert moved == ['fc.bias', 'fc.kernel']
+  assert len(updates) > 60  # Every other parameter is there, not updated.
+  config = default.get_config()
+  config.update(model='resnet18', linear_probe=True)
+  assert run_spec.resolve(config).optimization.frozen('layer1.0.bn1')  # BatchNorms keep stats.
+
+
+@pytest.mark.parametrize('key,value', [('layer_decay', 0.75), ('linear_probe', True)])
+def test_layer_options_need_a_model_that_declares_its_layers(key, value):
+  config = default.get_config()  # The cnn declares no layers.
+  config[key] = value
+  with pytest.raises(errors.ConfigError) as error:
+    run_spec.resolve(config)
+  assert (error.value.key, error.value.value) == (key, value)
+
+
 @pytest.mark.parametrize('key,value', [('freeze', ('conv[',)), ('lr_multipliers', {'x': -1.0}),
                                        ('grad_clip_norm', -1.0), ('mixup_alpha', -0.5),
-                                       ('unmixed_last_epochs', 11)])
+                                       ('unmixed_last_epochs', 11), ('layer_decay', 0.0),
+                                       ('layer_decay', 1.5)])
 def test_bad_values_name_the_key(key, value):
   config = default.get_config()
   config[key] = value

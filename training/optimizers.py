@@ -11,14 +11,16 @@ options (`config.schedule_options.<name>`). Any schedule can start with a linear
 
 Around the optimizer (`Optimization`, resolved from the config by `training/spec.py`):
 gradient clipping (`grad_clip_norm`), frozen parameters and learning-rate multipliers by
-parameter path (`freeze`, `lr_multipliers`, through `optax.multi_transform`), skipping
-non-finite updates (`nonfinite='skip'`) and gradient accumulation (`grad_accum_steps`).
+parameter path (`freeze`, `lr_multipliers`, and layer-wise decay `layer_decay` for models that
+declare their `LayerGroups`, through `optax.multi_transform`), skipping non-finite updates
+(`nonfinite='skip'`) and gradient accumulation (`grad_accum_steps`).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 import dataclasses
 import inspect
 import re
+from typing import NamedTuple
 
 import jax
 import optax
@@ -118,6 +120,30 @@ def step(learning_rate: float, num_updates: int, *, boundaries: tuple[float, ...
       learning_rate, {int(boundary * num_updates): factor for boundary in boundaries})
 
 
+class LayerGroups(NamedTuple):
+  """How a model's parameters form layers from input to output, as timm's `group_matcher`
+  says for layer-wise learning-rate decay: regular expressions searched in parameter paths. A
+  model declares them with `@MODELS.register(name, layers=LayerGroups(...))`."""
+  stem: str  # Before the first block: layer 0.
+  blocks: str  # A block; the numbers its groups capture order the blocks: layers 1..N.
+  head: str  # The classifier (config.linear_probe trains it alone); it and the rest: N + 1.
+
+
+def layer_numbers(names: Iterable[str], groups: LayerGroups) -> tuple[dict[str, int], int]:
+  """{parameter path: its layer} and the number of the last layer (the head's)."""
+  names = list(names)
+  blocks = {}
+  for name in names:
+    if match := re.search(groups.blocks, name):
+      # A group that did not take part (a stage's downsampling before its blocks) sorts first.
+      blocks[name] = tuple(-1 if number is None else int(number) for number in match.groups())
+  order = {key: index + 1 for index, key in enumerate(sorted(set(blocks.values())))}
+  last = len(order) + 1
+  return {name: (0 if name not in blocks and re.search(groups.stem, name)
+                 else order[blocks[name]] if name in blocks else last)
+          for name in names}, last
+
+
 def path_name(path) -> str:
   """'linear2.kernel' for the path of a parameter in an `nnx.State` (its `.value` dropped)."""
   return jax.tree_util.keystr(path, simple=True, separator='.').removesuffix('.value')
@@ -136,6 +162,10 @@ class Optimization:
   grad_clip_norm: float = 0.0  # Global-norm clipping; 0 = off.
   freeze: tuple[str, ...] = ()  # Path patterns of parameters not trained.
   lr_multipliers: tuple[tuple[str, float], ...] = ()  # (path pattern, factor) pairs.
+  # Layer-wise decay: the learning rate of layer i of a model of layers 0..L is multiplied by
+  # layer_decay ** (L - i) (BEiT, timm's `--layer-decay`); 1 = off. Needs `layer_groups`.
+  layer_decay: float = 1.0
+  layer_groups: LayerGroups | None = None  # The model's.
   nonfinite: str = 'halt'  # 'skip': updates with NaN/Inf gradients are skipped.
 
   def learning_rate_schedule(self, steps_per_epoch: int) -> optax.Schedule:
@@ -159,28 +189,36 @@ class Optimization:
     """Whether the parameter or module at path `name` matches a `freeze` pattern."""
     return any(re.search(pattern, name) for pattern in self.freeze)
 
-  def _group(self, path) -> str:
-    """'frozen', 'x<multiplier>' (the first matching `lr_multipliers` pattern) or 'default'.
-    Paths are dotted, such as 'linear2.kernel'; patterns are regular expressions searched in
-    them ('conv1' matches 'conv1.kernel' and 'conv1.bias')."""
-    name = path_name(path)
-    if self.frozen(name):
-      return 'frozen'
-    for pattern, multiplier in self.lr_multipliers:
-      if re.search(pattern, name):
-        return f'x{multiplier}'
-    return 'default'
+  def multipliers(self, names: Iterable[str]) -> dict[str, float]:
+    """{parameter path: the factor of its learning rate}: 0 when frozen, else its first
+    matching `lr_multipliers` factor (paths are dotted, such as 'linear2.kernel'; patterns are
+    regular expressions searched in them) times its layer's decay."""
+    names = list(names)
+    layers, last = ((layer_numbers(names, self.layer_groups)) if self.layer_decay != 1.0
+                    else ({}, 0))
+    factors = {}
+    for name in names:
+      factor = next((multiplier for pattern, multiplier in self.lr_multipliers
+                     if re.search(pattern, name)), 1.0)
+      factors[name] = 0.0 if self.frozen(name) else (
+          factor * self.layer_decay ** (last - layers.get(name, last)))
+    return factors
 
-  def transform(self, schedule: optax.Schedule) -> optax.GradientTransformation:
+  def transform(self, schedule: optax.Schedule, params) -> optax.GradientTransformation:
     """The optimizer driven by `schedule`, with what the run adds around it (see the module
-    docstring)."""
+    docstring), for `params` (an `nnx.State` of the model's parameters, or its shapes)."""
     optimizer = self.optimizer(schedule)
-    if self.freeze or self.lr_multipliers:
-      transforms = {'default': optimizer, 'frozen': optax.set_to_zero()}
-      transforms.update({f'x{multiplier}': optax.chain(optimizer, optax.scale(multiplier))
-                         for _, multiplier in self.lr_multipliers})
+    names = [path_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+    factors = self.multipliers(names)
+    if set(factors.values()) - {1.0}:
+      labels = {name: ('frozen' if factor == 0 else 'default' if factor == 1 else f'x{factor}')
+                for name, factor in factors.items()}
+      transforms = {label: (optax.set_to_zero() if label == 'frozen' else optimizer
+                            if label == 'default' else
+                            optax.chain(optimizer, optax.scale(factors[name])))
+                    for name, label in labels.items()}
       optimizer = optax.multi_transform(transforms, lambda params: (
-          jax.tree_util.tree_map_with_path(lambda path, _: self._group(path), params)))
+          jax.tree_util.tree_map_with_path(lambda path, _: labels[path_name(path)], params)))
     if self.grad_clip_norm:
       optimizer = optax.chain(optax.clip_by_global_norm(self.grad_clip_norm), optimizer)
     if self.nonfinite == 'skip':

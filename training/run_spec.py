@@ -19,6 +19,7 @@ import json
 import os
 import re
 
+from absl import logging
 import ml_collections
 import optax
 
@@ -31,6 +32,7 @@ import input_pipeline
 import kernels
 import models
 import preprocessing
+from preprocessing import crop
 from training import calibration
 from training import checkpointing
 from training import evaluation
@@ -47,7 +49,7 @@ _COUNTS = ('batch_size', 'eval_batch_size', 'num_epochs', 'log_every_steps',
 _NON_NEGATIVE = ('early_stopping_patience', 'profile_steps', 'precise_bn_batches')
 _CHOICES = {'in_memory': input_pipeline.IN_MEMORY, 'input_backend': input_pipeline.INPUT_BACKENDS,
             'nonfinite': optimizers.NONFINITE, 'eval_tta': (None, *calibration.TTA_CHOICES),
-            'temperature_scaling': (False, True)}
+            'temperature_scaling': (False, True), 'linear_probe': (False, True)}
 _EVALUATION_KEYS = ('split', 'evaluators', 'preprocess', 'every')
 _EVALUATION_NAME = re.compile(r'[A-Za-z_][A-Za-z0-9_]*')
 
@@ -146,7 +148,7 @@ def _options(config: ml_collections.ConfigDict, key: str) -> dict:
 def resolve(config: ml_collections.ConfigDict) -> Run:
   """The `Run` of `config`; a `ConfigError` (or `MissingPackage`) naming the first bad key."""
   _check_values(config)
-  preprocess = preprocessing.parse(config.preprocess)
+  preprocess = _preprocessing(config)
   evaluations = _evaluations(config, preprocess)
   return Run(
       settings=json.loads(config.to_json_best_effort()),
@@ -171,6 +173,21 @@ def resolve(config: ml_collections.ConfigDict) -> Run:
       loggers=loggers.check(config.loggers))
 
 
+def _preprocessing(config: ml_collections.ConfigDict) -> preprocessing.Preprocessing:
+  """config.preprocess; unset (''), with init_from a backbone's pretrained weights, the
+  preprocessing those weights were trained with (the model's timm pretrained_cfg), logged."""
+  pretrained = models.MODELS.capability(config.model, 'pretrained')
+  if (config.preprocess or not pretrained or not config.init_from
+      or not weights.is_pretrained_path(config.init_from)):
+    return preprocessing.parse(config.preprocess)
+  spec = crop.pretrained_spec(pretrained)
+  logging.info('config.preprocess is not set and config.init_from=%r holds pretrained %s '
+               'weights: preprocessing as they were trained (timm\'s pretrained_cfg: crop_pct '
+               '%s, %s), %r; eval, predict and export take the centre crop.', config.init_from,
+               config.model, pretrained['crop_pct'], pretrained['interpolation'], spec)
+  return preprocessing.parse(spec)
+
+
 def _check_values(config: ml_collections.ConfigDict) -> None:
   """Checks the app's own keys: counts, choices and numbers in their intervals."""
   for key in _COUNTS + _NON_NEGATIVE:
@@ -190,6 +207,7 @@ def _check_values(config: ml_collections.ConfigDict) -> None:
        f'an integer in [0, num_epochs={config.num_epochs}]'),
       ('early_stopping_min_delta', lambda value: value >= 0, '>= 0'),
       ('grad_clip_norm', lambda value: value >= 0, '>= 0 (0 = off)'),
+      ('layer_decay', lambda value: 0 < value <= 1, 'in (0, 1] (1 = off)'),
       ('mixup_alpha', lambda value: value >= 0, '>= 0 (0 = off)'),
       ('cutmix_alpha', lambda value: value >= 0, '>= 0 (0 = off)')):
     value = config[key]
@@ -236,10 +254,11 @@ def _input(config: ml_collections.ConfigDict,
           "config.input_backend='torch' needs the 'torch' package, which is not installed: pip "
           'install -r requirements-extras.txt (or pip install torch).', key='input_backend',
           value='torch', package='torch') from error
-    if config.in_memory == 'never' or preprocess.random_ops:
+    if config.in_memory == 'never' or preprocess.random_ops or preprocess.crop_op:
       raise errors.ConfigError(
           "config.input_backend='torch' takes in-memory splits without random ops: use "
-          "input_backend='tf' for in_memory='never' or random ops in config.preprocess.",
+          "input_backend='tf' for in_memory='never' or random ops (or a crop op) in "
+          'config.preprocess.',
           key='input_backend', value=config.input_backend)
   return input_pipeline.Input(
       source=lambda: source(config.dataset, config.data_dir), can_stream=can_stream,
@@ -264,12 +283,24 @@ def _optimization(config: ml_collections.ConfigDict) -> optimizers.Optimization:
   schedule = optimizers.SCHEDULES.bind(config.schedule, _options(config, 'schedule'))
   optimizer(optax.constant_schedule(config.learning_rate))
   schedule(config.learning_rate, 100)
+  layer_groups = models.MODELS.capability(config.model, 'layers')
+  for key, on in (('layer_decay', config.layer_decay != 1.0), ('linear_probe', config.linear_probe)):
+    if on and layer_groups is None:
+      with_layers = [name for name in models.MODELS.names()
+                     if models.MODELS.capability(name, 'layers')]
+      raise errors.ConfigError(
+          f'config.{key}={config[key]!r} needs a model that declares its layers, which model '
+          f'{config.model!r} does not: use one of {with_layers}, or {key}='
+          f'{1.0 if key == "layer_decay" else False}.', key=key, value=config[key])
+  # A linear probe trains the head alone: every other parameter (and BatchNorm) is frozen.
+  freeze = tuple(config.freeze) + ((f'^(?!(?:{layer_groups.head}))',) if config.linear_probe
+                                   else ())
   return optimizers.Optimization(
       optimizer=optimizer, schedule=schedule, learning_rate=config.learning_rate,
       warmup_epochs=config.warmup_epochs, num_epochs=config.num_epochs,
       grad_accum_steps=config.grad_accum_steps, grad_clip_norm=config.grad_clip_norm,
-      freeze=tuple(config.freeze), lr_multipliers=tuple(config.lr_multipliers.items()),
-      nonfinite=config.nonfinite)
+      freeze=freeze, lr_multipliers=tuple(config.lr_multipliers.items()),
+      layer_decay=config.layer_decay, layer_groups=layer_groups, nonfinite=config.nonfinite)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,10 +106,9 @@ def create(model: models.ModelSpec, info: base.DatasetInfo,
   Run eagerly, XLA compiles every initialiser op on its own at its full optimisation level; as
   one program, which runs once, at the lowest level, it compiles and runs several times faster.
   """
-  transform = optimization.transform(schedule)  # Options checked before compiling.
-
   def create_state() -> TrainState:
     built = model.build(info.image_shape, info.num_classes, nnx.Rngs(seed))
+    transform = optimization.transform(schedule, nnx.state(built, nnx.Param))
     return TrainState(built, nnx.Optimizer(built, transform, wrt=nnx.Param),
                       create_ema(ema_decay, built))
 
