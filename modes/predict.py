@@ -152,7 +152,7 @@ def predict(run: run_spec.Run, workdir: str, inputs: str | None, checkpoint: str
         'images: convert them to grayscale, or use a model trained on colour images.',
         flag='inputs', value=inputs)
   logging.info('Predicting %d images with the checkpoint at step %d (temperature %.4f, '
-               'test-time augmentation %s).', len(headers), step, temperature, tta)
+               'test-time augmentation %s).', len(headers), step, temperature, tta or 'none')
   preprocess = run.input.preprocess
 
   def prepared(path, orientation, alpha) -> dict[str, tf.Tensor]:

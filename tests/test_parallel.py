@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -14,7 +15,9 @@ from core import errors
 from data_sources import base
 import input_pipeline
 import preprocessing
+from training import evaluators
 from training import run_spec
+import conftest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -133,6 +136,37 @@ def test_eval_batches_pad_to_the_requested_number_of_batches():
   assert [len(batch['label']) for batch in batches] == [3, 3, 3, 3]
   mask = np.concatenate([batch['mask'] for batch in batches])
   assert mask.sum() == 7 and not mask[7:].any()
+
+
+def test_two_processes_count_every_example_of_an_odd_split_once(tfds_data_dir, monkeypatch):
+  """eval/num_examples, counted from the masks of each process's padded slice, sums to the
+  split's size; the real examples of the two slices are the split's, each once, in order."""
+  split, size = 'test[:101]', 101
+  config = default.get_config()
+  config.update(data_dir=tfds_data_dir, train_split='train[:128]', eval_split=split)
+  run = run_spec.resolve(config)
+  data = conftest.open_data(config)
+  assert data.eval_sizes['eval'] == size
+
+  def process_slice(index, count, batch_size):
+    """What process `index` of `count` feeds the eval steps: its batches, its count."""
+    monkeypatch.setattr(jax, 'process_index', lambda: index)
+    monkeypatch.setattr(jax, 'process_count', lambda: count)
+    batches = list(input_pipeline.open_eval_batches(data, run.input, split, size, batch_size))
+    counter = evaluators.Count()
+    state = counter.init(data.info)
+    for batch in batches:
+      state = counter.update(state, None, batch)
+    real = np.concatenate([batch['image'][batch['mask']] for batch in batches])
+    return len(batches), counter.results(state, data.info)[counter.name], real
+
+  whole = process_slice(0, 1, 16)[2]
+  (batches_0, count_0, real_0), (batches_1, count_1, real_1) = [
+      process_slice(index, 2, 16) for index in (0, 1)]
+  assert (count_0, count_1) == (51, 50)  # The slices differ by one; the smaller is padded more.
+  assert batches_0 == batches_1 == 7  # 7 local batches of 8 each: the same number of steps.
+  assert count_0 + count_1 == size
+  np.testing.assert_array_equal(np.concatenate([real_0, real_1]), whole)
 
 
 def free_port() -> int:

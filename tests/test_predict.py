@@ -1,6 +1,8 @@
 """Predict and export with class names: an image folder -> training -> predict round trip."""
 
 import csv
+import json
+import logging
 import os
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from modes import evaluate
 from modes import export
 from modes import predict
 import train
+from training import calibration
 from training import workdirs
 from training import run_spec
 import conftest
@@ -30,7 +33,8 @@ def _config(root):
   config = default.get_config()
   config.update(dict(data_source='folder', dataset=root, eval_split='test', batch_size=12,
                      eval_batch_size=10, num_epochs=6, learning_rate=0.05, log_every_steps=6,
-                     checkpoint_every_steps=1000, preprocess='resize(16)|translate(1)'))
+                     checkpoint_every_steps=1000, preprocess='resize(16)|translate(1)',
+                     temperature_scaling=True))
   config.model_options.cnn.update(conv1_features=8, conv2_features=16, hidden_features=32)
   return config
 
@@ -67,6 +71,83 @@ def test_predictions_agree_with_eval_and_name_the_classes(trained, capsys):
   assert accuracy == pytest.approx(evaluated['eval/accuracy'], abs=1e-6)
   printed = capsys.readouterr().out
   assert 'file' in printed and '(14 more; 24 predictions in' in printed
+  # The report without naming its evaluators (the config's lack per_class and ece): per-class
+  # rows and the confusion matrix as a picture beside the JSON.
+  step = json.loads(open(os.path.join(workdir, 'metrics.jsonl')).readlines()[-1])['step']
+  with open(evaluate.report_path(workdir, 'test', step, 'csv'), newline='') as file:
+    assert [row['class'] for row in csv.DictReader(file)] == list(CLASSES)
+  picture = Image.open(evaluate.report_path(workdir, 'test', step, 'png', 'confusion_matrix'))
+  assert picture.mode == 'RGB' and min(picture.size) > 100
+  assert 'eval/macro_f1' in evaluated
+
+
+def test_the_fitted_temperature_lowers_the_nll_and_keeps_the_classes(trained, tmp_path):
+  root, files, workdir, _ = trained
+  saved = json.loads(open(os.path.join(workdir, calibration.TEMPERATURE_FILE)).read())
+  assert saved['split'] == 'test' and saved['temperature'] != pytest.approx(1.0, abs=1e-3)
+  raw_config = _config(root)
+  raw_config.temperature_scaling = False  # The logits as they are.
+  scaled = evaluate.evaluate_checkpoint(run_spec.resolve(_config(root)), workdir)
+  raw = evaluate.evaluate_checkpoint(run_spec.resolve(raw_config), workdir)
+  # Fitted on this split: its NLL is lower with T than without, as the fit recorded.
+  assert scaled['eval/loss'] < raw['eval/loss']
+  assert scaled['eval/loss'] == pytest.approx(saved['nll_after'], rel=1e-4)
+  assert raw['eval/loss'] == pytest.approx(saved['nll_before'], rel=1e-4)
+  assert scaled['eval/accuracy'] == raw['eval/accuracy']
+  test_images = os.path.join(root, 'test')
+  scaled_rows = _read(predict.predict(run_spec.resolve(_config(root)), workdir, test_images))[1:]
+  raw_rows = _read(predict.predict(run_spec.resolve(raw_config), workdir, test_images))[1:]
+  assert [row[:2] for row in scaled_rows] == [row[:2] for row in raw_rows]
+  assert [row[2] for row in scaled_rows] != [row[2] for row in raw_rows]
+
+
+def test_top_k_tta_csv_lists_and_progress(trained, tmp_path, monkeypatch, caplog):
+  root, files, workdir, _ = trained
+  run = run_spec.resolve(_config(root))
+  test_images = os.path.join(root, 'test')
+  top1 = {row[0]: row[1:] for row in _read(predict.predict(run, workdir, test_images))[1:]}
+  monkeypatch.setattr(predict, 'PROGRESS_SECONDS', 0.0)  # A line after every batch but the 1st.
+  with caplog.at_level(logging.INFO):
+    header, *rows = _read(predict.predict(run, workdir, test_images, top_k=3))
+  assert header == ['file', 'class_1', 'probability_1', 'class_2', 'probability_2', 'class_3',
+                    'probability_3']
+  for file, *ranks in rows:
+    names, probabilities = ranks[0::2], [float(value) for value in ranks[1::2]]
+    assert [names[0], ranks[1]] == top1[file] and sorted(names) == sorted(CLASSES)
+    assert probabilities == sorted(probabilities, reverse=True)
+    assert sum(probabilities) == pytest.approx(1, abs=1e-5)  # All 3 classes.
+  # 24 images in batches of 10: the rate and ETA after the 2nd batch, none after the last.
+  progress = [line for line in caplog.messages if line.startswith('predicted ')]
+  assert len(progress) == 1 and progress[0].startswith('predicted 20/24 images (83.3%)')
+  assert 'ETA' in progress[0]
+  flipped = _read(predict.predict(run, workdir, test_images, tta='flip'))[1:]
+  assert [row[0] for row in flipped] == list(top1)
+  assert [row[2] for row in flipped] != [top1[row[0]][1] for row in flipped]
+  # A CSV list: a header naming the path column, paths relative to the CSV or absolute, in its
+  # order; a path that is no image is skipped with the warning.
+  listed = [file for file, _ in files['test'][:3]]
+  lines = (['label,path'] + [f'x,{os.path.relpath(file, tmp_path)}' for file in listed[:2]]
+           + [f'x,{listed[2]}', 'x,missing.png'])
+  (tmp_path / 'list.csv').write_text('\n'.join(lines) + '\n')
+  rows = _read(predict.predict(run, workdir, str(tmp_path / 'list.csv')))[1:]
+  assert [os.path.normpath(row[0]) for row in rows] == listed
+  assert [row[1:] for row in rows] == [top1[file] for file in listed]
+  assert 'missing.png' in caplog.text
+  # Without a header: the first column.
+  (tmp_path / 'bare.csv').write_text('\n'.join(listed) + '\n')
+  assert [row[0] for row in _read(predict.predict(run, workdir, str(tmp_path / 'bare.csv')))[1:]
+          ] == listed
+  for name, content in (('empty.csv', ''), ('blank.csv', 'file,label\n,3\n'),
+                        ('binary.csv', b'\xff\xfe\x00bad')):
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(errors.FlagError) as error:
+      predict.predict(run, workdir, str(path))
+    assert (error.value.flag, error.value.value) == ('inputs', str(path))
+  for top_k in (0, 4):
+    with pytest.raises(errors.FlagError) as error:
+      predict.predict(run, workdir, test_images, top_k=top_k)
+    assert (error.value.flag, error.value.value) == ('top_k', top_k)
 
 
 def test_predict_needs_no_data_skips_unreadable_files_and_takes_globs(trained, tmp_path):

@@ -100,7 +100,8 @@ def reliability_diagram(counts: np.ndarray, confidences: np.ndarray,
                         correct: np.ndarray) -> np.ndarray:
   """A uint8 RGB reliability diagram of equal-width confidence bins, from each bin's example
   count and sums of confidence and of correct predictions: a bar of the bin's accuracy, its gap
-  to the bin's mean confidence in red, the diagonal of perfect calibration, and the ECE.
+  to the bin's mean confidence (red where the confidence is higher, overconfident; purple where
+  lower), the diagonal of perfect calibration, and the ECE.
 
   Empty bins have no bar. Under the axis, each bin's share of the examples as a thin gray bar,
   so that a large gap in a nearly empty bin reads as the little it weighs.
@@ -115,7 +116,8 @@ def reliability_diagram(counts: np.ndarray, confidences: np.ndarray,
   ece = float(np.abs(correct - confidences).sum()) / total
   draw.text((4, 2), f'reliability: accuracy per confidence bin; ECE {ece:.2%}', fill='black',
             font=_FONT)
-  draw.text((4, _FONT_SIZE + 4), 'red: gap to the mean confidence', fill='firebrick', font=_FONT)
+  draw.text((4, _FONT_SIZE + 4), 'mean confidence above the accuracy: red; below: purple',
+            fill='dimgray', font=_FONT)
   y = lambda value: bottom - value * side  # Accuracy or confidence to pixels.
   width = side / bins
   for m in range(bins):
@@ -123,8 +125,9 @@ def reliability_diagram(counts: np.ndarray, confidences: np.ndarray,
     if counts[m]:
       accuracy, confidence = correct[m] / counts[m], confidences[m] / counts[m]
       draw.rectangle((x0, y(accuracy), x1, bottom), fill=(90, 120, 220), outline='white')
+      over = confidence > accuracy  # Overconfident: the gap rises above the bar.
       draw.rectangle((x0, min(y(accuracy), y(confidence)), x1, max(y(accuracy), y(confidence))),
-                     fill=(235, 110, 110), outline='white')
+                     fill=(235, 110, 110) if over else (160, 70, 170), outline='white')
     draw.rectangle((x0, bottom + share_height * (1 - counts[m] / total) + 4, x1,
                     bottom + share_height + 4), fill='gray')
   draw.line((left, bottom, left + side, top), fill='dimgray', width=1)  # Perfect calibration.
