@@ -6,6 +6,9 @@ gives a split as `Input.in_memory` says:
 decoded once into NumPy arrays held in memory (`base.Split`), or `Streamed`: read from the
 source's files on every pass, decoded in parallel, never whole in memory. Either way, images are
 resized (the preprocessing's first stage) where they are decoded and stay uint8 until batched.
+A crop op (`random_resized_crop`) cuts each training image before batching, where it is decoded
+when streamed (only the window of a JPEG is decoded), from the split in memory otherwise; its
+window is drawn from (seed, epoch, the image's place in the epoch's order).
 
 Training examples go through tf.data as map (decode and resize, once for a split in memory, on
 every pass when streamed) -> shuffle -> batch -> prefetch, where each batch is also mapped, as
@@ -89,10 +92,14 @@ class Data:
 @dataclasses.dataclass(frozen=True)
 class Streamed:
   """A split read from its source's files on every pass; only tf.data's buffers are in memory."""
-  # shuffle seed (None: the source's order) -> {'image': uint8 image_shape, 'label': int32}.
+  # shuffle seed (None: the source's order) -> {'image': uint8 image_shape, 'label': int32},
+  # images as eval prepares them.
   examples: Callable[[int | None], tf.data.Dataset]
   num_examples: int
   image_shape: tuple[int, int, int]
+  # A training split of a run with a crop op: epoch seed -> the examples in that epoch's order,
+  # each image cut by the crop op where it is decoded.
+  cropped: Callable[[int], tf.data.Dataset] | None = None
 
 
 class EvalSplit(NamedTuple):
@@ -161,30 +168,65 @@ def open_split(data: Data, split: base.SplitArg, inputs: Input,
                ) -> base.Split | Streamed:
   """`split` of the source with its images resized (by `preprocess`, default the run's), in
   memory or streamed, as `inputs.in_memory` says (sources that cannot stream always load into
-  memory)."""
+  memory).
+
+  Without `preprocess`, the training split: with a crop op in the run's preprocessing, a split
+  in memory holds its images before the crop (stage 1 only), which `train_batches` cuts image
+  by image, and a streamed one cuts them as they are decoded (`Streamed.cropped`). Such a split
+  whose images vary in size until cut (no image op gives them one size) is streamed: the crop
+  takes its window from the image as decoded, which no array of one size holds.
+  """
   source, image_shape = data.source, data.info.image_shape
+  training_crop = preprocess is None and data.preprocess.crop_op is not None
   preprocess = preprocess or data.preprocess
   num_examples = source.num_examples(split)
 
-  def resized(examples: tf.data.Dataset) -> tf.data.Dataset:
+  def prepared(examples: tf.data.Dataset, prepare, shape) -> tf.data.Dataset:
     return examples.map(
-        lambda example: {
-            'image': tf.ensure_shape(preprocess.resize(example['image']), image_shape),
-            'label': example['label']},
+        lambda example: {'image': tf.ensure_shape(prepare(example['image']), shape),
+                         'label': example['label']},
         num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
-  if not _in_memory(inputs, split, num_examples, image_shape):
-    logging.info('Streaming split %r of %s (%d examples) from its files.', split, source.name,
-                 num_examples)
-    return Streamed(lambda seed: resized(source.examples(split, seed)), num_examples, image_shape)
+  def resized(examples: tf.data.Dataset) -> tf.data.Dataset:
+    return prepared(examples, preprocess.resize, image_shape)
+
+  held_shape = (preprocess.shape_before_crop(source.image_shape) if training_crop
+                else image_shape)
+  if None in held_shape or not _in_memory(inputs, split, num_examples, held_shape):
+    logging.info('Streaming split %r of %s (%d examples) from its files%s.', split, source.name,
+                 num_examples, ': its crop op cuts images of varying sizes as they are decoded'
+                 if None in held_shape else '')
+    return Streamed(lambda seed: resized(source.examples(split, seed)), num_examples, image_shape,
+                    cropped=_cropped(source, split, preprocess, held_shape)
+                    if training_crop else None)
+  prepare = preprocess.before_crop if training_crop else preprocess.resize
   if None in source.image_shape[:2]:  # Images of varying sizes: resized as they are decoded.
-    return base.materialize(resized(source.examples(split)))
+    return base.materialize(prepared(source.examples(split), prepare, held_shape))
   loaded = source.load_split(split)
-  if loaded.images.shape[1:] == image_shape:
+  if loaded.images.shape[1:] == held_shape:
     return loaded
   images = (tf.data.Dataset.from_tensor_slices(loaded.images).batch(_MAP_BLOCK)
-            .map(preprocess.resize).as_numpy_iterator())
+            .map(prepare).as_numpy_iterator())
   return base.Split(images=np.concatenate(list(images)), labels=loaded.labels)
+
+
+def _cropped(source: base.DataSource, split: base.SplitArg,
+             preprocess: preprocessing.Preprocessing,
+             held_shape: tuple[int | None, int | None, int]
+             ) -> Callable[[int], tf.data.Dataset]:
+  """`Streamed.cropped` of `split`: the source cuts the windows as it decodes, unless image ops
+  come before the crop op (then its windows are cut from their images)."""
+
+  def cropped(seed: int) -> tf.data.Dataset:
+    crops = preprocess.crops(seed)
+    if not preprocess.image_ops:
+      return source.cropped_examples(split, seed, crops)
+    return crops.each(source.examples(split, seed).map(
+        lambda example: {**example, 'image': tf.ensure_shape(
+            preprocess.before_crop(example['image']), held_shape)},
+        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True))
+
+  return cropped
 
 
 def _in_memory(inputs: Input, split: base.SplitArg, num_examples: int,
@@ -227,21 +269,28 @@ def train_batches(split: base.Split | Streamed, data: Data, inputs: Input, batch
   in the same order come as eval sees images: no random ops, no mixing.
   """
   epochs = range(start_epoch, inputs.num_epochs)
+  crop_op = data.preprocess.crop_op
   if inputs.backend == 'torch':
     epoch_batches = functools.partial(_torch_batches, split, inputs.seed, batch_size)
   elif isinstance(split, Streamed):
     def epoch_batches(epoch):
       seed = epoch_seed(inputs.seed, epoch)
+      examples = (split.cropped if augment and split.cropped else split.examples)(seed)
       # The shuffle buffer holds shuffle_buffer_size decoded uint8 examples: the memory that
       # streaming needs, whatever the split's size.
-      return (split.examples(seed).shuffle(inputs.shuffle_buffer_size, seed=seed)
+      return (examples.shuffle(inputs.shuffle_buffer_size, seed=seed)
               .batch(batch_size, drop_remainder=True))
   else:
     examples = tf.data.Dataset.from_tensor_slices({'image': split.images, 'label': split.labels})
     def epoch_batches(epoch):
-      return (examples.shuffle(inputs.shuffle_buffer_size, seed=epoch_seed(inputs.seed, epoch),
-                               reshuffle_each_iteration=False)
-              .batch(batch_size, drop_remainder=True))
+      seed = epoch_seed(inputs.seed, epoch)
+      shuffled = examples.shuffle(inputs.shuffle_buffer_size, seed=seed,
+                                  reshuffle_each_iteration=False)
+      if crop_op is not None:  # The split holds images before the crop: cut them one by one.
+        shuffled = data.preprocess.crops(seed).each(shuffled) if augment else shuffled.map(
+            lambda example: {**example, 'image': crop_op.eval_op(example['image'])},
+            num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+      return shuffled.batch(batch_size, drop_remainder=True)
   for epoch in epochs:
     seed = epoch_seed(inputs.seed, epoch)
 

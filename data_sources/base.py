@@ -16,6 +16,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from core import errors
+import preprocessing
 
 SplitArg = tfds.typing.SplitArg  # A split spec such as 'train[:90%]', or one process's slice.
 _MATERIALIZE_BLOCK = 1024  # Examples per tf.data batch when a streamed split is read into memory.
@@ -76,6 +77,13 @@ class DataSource(abc.ABC):
     shards) in an order drawn from that seed.
     """
     raise NotImplementedError(f'{type(self).__name__} reads splits into memory only.')
+
+  def cropped_examples(self, split: SplitArg, shuffle_seed: int,
+                       crops: preprocessing.EpochCrops) -> tf.data.Dataset:
+    """`examples` with each image cut by `crops` (a random window, resized), its window drawn
+    from its place in the order of `shuffle_seed`; sources that can decode only the window
+    do."""
+    return crops.each(self.examples(split, shuffle_seed))
 
   def split_size(self, key: str, split: str) -> int:
     """The number of examples of `split`, the value of config.`key`; a `ConfigError` naming

@@ -37,6 +37,7 @@ import tensorflow as tf
 from core import errors
 import data_sources
 from data_sources import base
+import preprocessing
 
 FORMATS = ('JPEG', 'PNG', 'BMP', 'GIF')  # What tf.io.decode_image reads (PIL's format names).
 _GRAY_MODES = ('1', 'L', 'LA', 'I', 'I;16', 'I;16B', 'I;16L', 'F')
@@ -147,7 +148,30 @@ def decode(path: tf.Tensor, channels: int, orientation: tf.Tensor | int = 1,
   value); with `alpha` (a PNG or BMP with transparency, as its header says) to RGBA, composited
   onto white. Then the EXIF `orientation` is applied.
   """
+  return _decoded_data(tf.io.read_file(path), channels, orientation, alpha)
+
+
+def decode_window(path: tf.Tensor, channels: int, window: tf.Tensor,
+                  orientation: tf.Tensor | int = 1, alpha: tf.Tensor | bool = False) -> tf.Tensor:
+  """The `window` [top, left, height, width] of what `decode` gives. Of a JPEG stored upright
+  (EXIF orientation 1) only the window is decoded (`tf.image.decode_and_crop_jpeg`); other
+  files are decoded whole and cut."""
   data = tf.io.read_file(path)
+  top, left, height, width = tf.unstack(window)
+
+  def whole() -> tf.Tensor:
+    image = _decoded_data(data, channels, orientation, alpha)
+    return tf.slice(image, [top, left, 0], [height, width, -1])
+
+  upright_jpeg = tf.io.is_jpeg(data) & tf.equal(tf.cast(orientation, tf.int32), 1)
+  return tf.cond(upright_jpeg,
+                 lambda: tf.image.decode_and_crop_jpeg(data, window, channels=3)[..., :channels],
+                 whole)
+
+
+def _decoded_data(data: tf.Tensor, channels: int, orientation: tf.Tensor | int,
+                  alpha: tf.Tensor | bool) -> tf.Tensor:
+  """`decode` of a file's bytes `data`."""
 
   def composited() -> tf.Tensor:
     image = tf.cast(tf.io.decode_image(data, channels=4, expand_animations=False), tf.float32)
@@ -203,8 +227,22 @@ class ImageFilesSource(base.RangeSource):
                                for _, label in self._files[name][part])
 
   def examples(self, split: base.SplitArg, shuffle_seed: int | None = None) -> tf.data.Dataset:
-    return self._decoded([file for name, part in self._ranges(split)
-                          for file in self._files[name][part]], shuffle_seed)
+    return self._decoded(self._split_files(split), shuffle_seed)
+
+  def cropped_examples(self, split: base.SplitArg, shuffle_seed: int,
+                       crops: preprocessing.EpochCrops) -> tf.data.Dataset:
+    """`examples` cut by `crops` as they are decoded: each window is drawn from the image's
+    size in its header, and only the window of an upright JPEG is decoded."""
+    return self._files_dataset(self._split_files(split), shuffle_seed).enumerate().map(
+        lambda index, file: {
+            'image': crops.op.resize(decode_window(
+                file['path'], self._channels, crops.window(file['size'], index),
+                file['orientation'], file['alpha'])),
+            'label': tf.cast(file['label'], tf.int32)},
+        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+  def _split_files(self, split: base.SplitArg) -> list[tuple[str, int]]:
+    return [file for name, part in self._ranges(split) for file in self._files[name][part]]
 
   def _load_range(self, name: str, part: slice) -> base.Split:
     return base.materialize(self._decoded(self._files[name][part]))
@@ -212,18 +250,25 @@ class ImageFilesSource(base.RangeSource):
   def _decoded(self, files: list[tuple[str, int]],
                shuffle_seed: int | None = None) -> tf.data.Dataset:
     """The images of `files`, decoded in parallel, in order (or shuffled by `shuffle_seed`)."""
+    return self._files_dataset(files, shuffle_seed).map(
+        lambda file: {
+            'image': decode(file['path'], self._channels, file['orientation'], file['alpha']),
+            'label': tf.cast(file['label'], tf.int32)},
+        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+  def _files_dataset(self, files: list[tuple[str, int]],
+                     shuffle_seed: int | None) -> tf.data.Dataset:
+    """`files` with what their headers say, in order (or shuffled by `shuffle_seed`)."""
     paths, labels = zip(*files)
     headers = [self._headers[path] for path in paths]
-    dataset = tf.data.Dataset.from_tensor_slices((
-        list(paths), list(labels), [header.orientation for header in headers],
-        [header.alpha for header in headers]))
+    dataset = tf.data.Dataset.from_tensor_slices({
+        'path': list(paths), 'label': list(labels),
+        'orientation': [header.orientation for header in headers],
+        'alpha': [header.alpha for header in headers],
+        'size': [header.size for header in headers]})
     if shuffle_seed is not None:  # Only names are shuffled: a perfect shuffle costs no pixels.
       dataset = dataset.shuffle(len(files), seed=shuffle_seed)
-    return dataset.map(
-        lambda path, label, orientation, alpha: {
-            'image': decode(path, self._channels, orientation, alpha),
-            'label': tf.cast(label, tf.int32)},
-        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return dataset
 
 
 @data_sources.SOURCES.register('folder', can_stream=True)

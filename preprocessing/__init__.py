@@ -5,15 +5,21 @@ arguments, in the style of big_vision's preprocessing strings:
 
     'resize(32, method="crop")|random_crop(32, pad=4)|flip_lr|normalize((0.5,), (0.25,))'
 
-Every image is decoded to uint8, then goes through the ops in three stages, in this order:
-  1. `image` ops, one image at a time, deterministic: `resize` gives images of any size one size;
-  2. `random` ops, on float32 batches in [0, 1], training only: the augmentation;
-  3. at most one `scale` op, on float32 batches, deterministic: `normalize` or `value_range`
+Every image is decoded to uint8, then goes through the ops in four stages, in this order:
+  1. `image` ops, one image at a time, deterministic: `resize`, `resize_small`, `central_crop`
+     give images of any size one size;
+  2. at most one `crop` op, one uint8 image at a time, before batching: `random_resized_crop`,
+     a random window of the image as decoded (or as the image ops left it), resized once;
+  3. `random` ops, on float32 batches in [0, 1], training only: the augmentation;
+  4. at most one `scale` op, on float32 batches, deterministic: `normalize` or `value_range`
      (without one, pixels stay in [0, 1]).
-Training applies all three; eval, predict and the exported model apply stages 1 and 3, so that
-every mode sees the images training saw. Random ops draw from TensorFlow's stateless random
-ops seeded per batch by the input pipeline from (config.seed, epoch, batch number), so the same
-seed gives the same batches and a resumed run continues with the draws of the uninterrupted one.
+Training applies all four; eval, predict and the exported model apply stages 1 and 4, with the
+crop op's deterministic stand-in (its `eval_op`: for random_resized_crop, the shorter side
+resized to size / crop_pct and the centre size x size) in place of stage 2, so that every mode
+sees the images training saw. Random ops draw from TensorFlow's stateless random ops seeded per
+batch by the input pipeline from (config.seed, epoch, batch number), and the crop op per image
+from (config.seed, epoch, the image's place in the epoch's order), so the same seed gives the
+same batches and a resumed run continues with the draws of the uninterrupted one.
 
 Ops are registered in the modules of this package with `@OPS.register(name, stage=...)`; a new op
 is one function in one file here.
@@ -30,13 +36,60 @@ from core import errors
 from core import registry
 
 OPS = registry.Registry('preprocessing op', package='preprocessing')
-STAGES = ('image', 'random', 'scale')
+STAGES = ('image', 'crop', 'random', 'scale')
+_ONE_OP_STAGES = ('crop', 'scale')  # Stages of at most one op.
 _KEY = 'preprocess'
-_PROBE_SIZE = 8  # Height and width of the blank image that finds the output shape of `image` ops.
+# Sizes (height, width) of the blank images that find the output shape of the `image` ops: two
+# aspect ratios, so that ops whose output follows the input's size are seen to vary.
+_PROBE_SIZES = ((8, 12), (12, 8))
+_IMAGE_SEED_TAG = 2  # Folded into (epoch seed, index) for a crop op's seed (mix.py folds in 1).
 
 ImageOp = Callable[[tf.Tensor], tf.Tensor]  # uint8 image(s) (..., H, W, C) -> uint8 image(s)
 RandomOp = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]  # (float32 batch, seed [2]) -> batch
 ScaleOp = Callable[[tf.Tensor], tf.Tensor]  # float32 batch in [0, 1] -> float32 batch
+
+
+@dataclasses.dataclass(frozen=True)
+class CropOp:
+  """A `crop` stage op: a random window of one uint8 image (H, W, C) of any size, resized.
+
+  Split in two so that a decoder can cut the window itself (only the window of a JPEG needs
+  decoding): `window` draws it from the image's size, `resize` makes the window the output.
+  `eval_op` is the deterministic image op that eval, predict and export run in its place.
+  """
+  # (size: int32 [height, width], seed [2]) -> int32 [top, left, height, width].
+  window: Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
+  resize: ImageOp
+  eval_op: ImageOp
+
+
+def image_seed(epoch_seed, index: tf.Tensor) -> tf.Tensor:
+  """The seed of a crop op's draw for the image at `index` of an epoch's order."""
+  return tf.random.experimental.stateless_fold_in(
+      tf.stack([tf.cast(epoch_seed, tf.int64), tf.cast(index, tf.int64)]), _IMAGE_SEED_TAG)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochCrops:
+  """A crop op's draws for one epoch: the image at index i of the epoch's order is cut where
+  the seed (epoch seed, i) says, whatever else runs (a resumed run cuts the same windows)."""
+  op: CropOp
+  epoch_seed: int | tf.Tensor
+
+  def window(self, size: tf.Tensor, index: tf.Tensor) -> tf.Tensor:
+    """The window [top, left, height, width] of the image of `size` at `index`."""
+    return self.op.window(tf.cast(size, tf.int32), image_seed(self.epoch_seed, index))
+
+  def __call__(self, image: tf.Tensor, index: tf.Tensor) -> tf.Tensor:
+    """The image at `index`, cut and resized."""
+    top, left, height, width = tf.unstack(self.window(tf.shape(image)[:2], index))
+    return self.op.resize(tf.slice(image, [top, left, 0], [height, width, -1]))
+
+  def each(self, examples: tf.data.Dataset) -> tf.data.Dataset:
+    """`examples` ({'image', ...}, in the epoch's order) with every image cut."""
+    return examples.enumerate().map(
+        lambda index, example: {**example, 'image': self(example['image'], index)},
+        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,24 +98,41 @@ class Preprocessing:
   spec: str
   key: str = _KEY
   image_ops: tuple[ImageOp, ...] = ()
+  crop_op: CropOp | None = None
   random_ops: tuple[RandomOp, ...] = ()
   scale_op: ScaleOp | None = None
 
   def resize(self, images: tf.Tensor, size: tuple[int, int] | None = None) -> tf.Tensor:
-    """Stage 1 on one uint8 image (H, W, C) or a batch of images of one size.
+    """The deterministic stages 1 and 2 (the crop op's `eval_op`) on one uint8 image (H, W, C)
+    or a batch of images of one size: the images of eval, predict and export.
 
-    Without resize ops every training image had the model's size; given that `size`, images of
+    Without such ops every training image had the model's size; given that `size`, images of
     other sizes (to predict or serve) are stretched to it, as `resize(size)` would.
     """
-    if not self.image_ops and size is not None:
+    if not self.image_ops and self.crop_op is None and size is not None:
       from preprocessing import resize as resize_ops  # pylint: disable=g-import-not-at-top
       return resize_ops.resize_images(images, size)
+    images = self.before_crop(images)
+    return images if self.crop_op is None else self.crop_op.eval_op(images)
+
+  def before_crop(self, images: tf.Tensor) -> tf.Tensor:
+    """Stage 1 only: the images a training split holds for its crop op to cut."""
     for op in self.image_ops:
       images = op(images)
     return images
 
+  def crops(self, epoch_seed) -> EpochCrops:
+    """The crop op's draws for the epoch of `epoch_seed` (the op must exist)."""
+    return EpochCrops(self.crop_op, epoch_seed)
+
+  def shape_before_crop(self, source_shape: tuple[int | None, int | None, int]
+                        ) -> tuple[int | None, int | None, int]:
+    """The shape of `before_crop`'s images for images of `source_shape`: None where it
+    varies."""
+    return _output_shape(self.before_crop, source_shape)
+
   def augment(self, images: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
-    """Stage 2 on a float32 batch in [0, 1]: each op with its own seed split from `seed`."""
+    """Stage 3 on a float32 batch in [0, 1]: each op with its own seed split from `seed`."""
     if not self.random_ops:
       return images
     seeds = tf.unstack(tf.random.experimental.stateless_split(seed, len(self.random_ops)))
@@ -71,7 +141,7 @@ class Preprocessing:
     return images
 
   def scale(self, images: tf.Tensor) -> tf.Tensor:
-    """uint8 -> float32 in [0, 1], then stage 3: on a TensorFlow tensor or, as well, a JAX
+    """uint8 -> float32 in [0, 1], then stage 4: on a TensorFlow tensor or, as well, a JAX
     array (the scale ops are arithmetic only)."""
     if isinstance(images, tf.Tensor):
       return self._scale_op(tf.cast(images, tf.float32) / 255.0)
@@ -81,11 +151,11 @@ class Preprocessing:
     return images if self.scale_op is None else self.scale_op(images)
 
   def train_batch(self, images: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
-    """A batch of resized uint8 images as the model trains on it: stages 2 and 3."""
+    """A batch of resized uint8 images as the model trains on it: stages 3 and 4."""
     return self._scale_op(self.augment(tf.cast(images, tf.float32) / 255.0, seed))
 
   def eval_batch(self, images: tf.Tensor) -> tf.Tensor:
-    """A batch of resized uint8 images as the model is evaluated on it: stage 3."""
+    """A batch of resized uint8 images as the model is evaluated on it: stage 4."""
     return self.scale(images)
 
   def image_shape(self, source_shape: tuple[int | None, int | None, int],
@@ -95,15 +165,13 @@ class Preprocessing:
     Checks that the random ops keep that shape. A `DataError` when sizes vary and no op
     resizes them; a `ConfigError` when a random op changes the size.
     """
-    height, width, channels = source_shape
-    probe = tf.zeros((height or _PROBE_SIZE, width or _PROBE_SIZE, channels), tf.uint8)
-    resized = self.resize(probe)
-    if (height is None or width is None) and not self.image_ops:
+    channels = source_shape[-1]
+    shape = _output_shape(self.resize, source_shape)
+    if None in shape:
       raise errors.DataError(
           f'The images of {dataset} vary in size: add a resize to config.preprocess, e.g. '
           f"--config.preprocess='resize(64)' for 64x64 (or 'resize(64, method=\"crop\")').",
           what=dataset)
-    shape = tuple(resized.shape)
     try:
       augmented = tuple(self.augment(tf.zeros((1, *shape)), tf.constant([0, 0])).shape[1:])
     except ValueError as error:
@@ -125,6 +193,17 @@ class Preprocessing:
     return shape
 
 
+def _output_shape(ops: ImageOp, source_shape: tuple[int | None, int | None, int]
+                  ) -> tuple[int | None, int | None, int]:
+  """The shape `ops` give one image of `source_shape` (height, width None: varying); a
+  dimension is None where the output follows the input's varying size."""
+  height, width, channels = source_shape
+  probes = _PROBE_SIZES if None in (height, width) else _PROBE_SIZES[:1]
+  shapes = [ops(tf.zeros((height or probe[0], width or probe[1], channels), tf.uint8)).shape
+            for probe in probes]
+  return tuple(sizes.pop() if len(sizes) == 1 else None for sizes in map(set, zip(*shapes)))
+
+
 def parse(spec: str, key: str = _KEY) -> Preprocessing:
   """The `Preprocessing` of `spec`, the value of config.`key`; a `ConfigError` naming the op at
   fault and the valid ones."""
@@ -132,14 +211,16 @@ def parse(spec: str, key: str = _KEY) -> Preprocessing:
   last_stage = 0
   for text, entry, op in OPS.create_calls(spec, key):
     stage = STAGES.index(entry.capabilities['stage'])
-    if stage < last_stage or (stage == last_stage == STAGES.index('scale')):
+    if stage < last_stage or (stage == last_stage and STAGES[stage] in _ONE_OP_STAGES):
       raise errors.ConfigError(
           f'config.{key}={spec!r} is invalid: {text!r} comes too late (resize ops come '
-          'first, then random ops, then at most one scale op: normalize or value_range).',
-          key=key, value=spec)
+          'first, then at most one per-image crop op (random_resized_crop), then random ops, '
+          'then at most one scale op: normalize or value_range).', key=key, value=spec)
     last_stage = stage
     ops[STAGES[stage]].append(op)
-  return Preprocessing(spec, key, image_ops=tuple(ops['image']), random_ops=tuple(ops['random']),
+  return Preprocessing(spec, key, image_ops=tuple(ops['image']),
+                       crop_op=ops['crop'][0] if ops['crop'] else None,
+                       random_ops=tuple(ops['random']),
                        scale_op=ops['scale'][0] if ops['scale'] else None)
 
 

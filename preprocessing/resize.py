@@ -7,20 +7,31 @@ import preprocessing
 METHODS = ('stretch', 'crop', 'pad')
 
 
-def resize_images(images: tf.Tensor, size: tuple[int, int]) -> tf.Tensor:
-  """uint8 images (..., height, width, channels) resized to `size` (height, width), as uint8.
+INTERPOLATIONS = ('bilinear', 'bicubic')  # timm's pretrained_cfg names, as tf.image.resize's.
 
-  Antialiased bilinear, so shrinking does not alias; rounded back to uint8, so a resized split
-  takes no more memory than the source's, and in-memory, streamed, predicted and exported
-  pixels agree.
+
+def resize_images(images: tf.Tensor, size, method: str = 'bilinear') -> tf.Tensor:
+  """uint8 images (..., height, width, channels) resized to `size` (height, width; ints or an
+  int32 tensor), as uint8.
+
+  Antialiased (bilinear, or bicubic: Keys' a = -0.5 kernel, PIL's), so shrinking does not
+  alias; rounded back to uint8, so a resized split takes no more memory than the source's, and
+  in-memory, streamed, predicted and exported pixels agree.
   """
-  if tuple(images.shape[-3:-1]) == tuple(size):
+  if isinstance(size, tuple) and tuple(images.shape[-3:-1]) == size:
     return images
-  resized = tf.image.resize(images, size, antialias=True)
+  resized = tf.image.resize(images, size, method=method, antialias=True)
   return tf.cast(tf.clip_by_value(tf.round(resized), 0, 255), tf.uint8)
 
 
-def _fitted_size(images: tf.Tensor, size: int, cover: bool) -> tf.Tensor:
+def check_interpolation(interpolation: str) -> str:
+  """Raises ValueError unless `interpolation` is one of INTERPOLATIONS."""
+  if interpolation not in INTERPOLATIONS:
+    raise ValueError(f'interpolation={interpolation!r} must be one of {INTERPOLATIONS}')
+  return interpolation
+
+
+def fitted_size(images: tf.Tensor, size: int, cover: bool) -> tf.Tensor:
   """The aspect-preserving size whose shorter (`cover`) or longer side is `size`."""
   shape = tf.cast(tf.shape(images)[-3:-1], tf.float32)
   scale = size / (tf.reduce_min(shape) if cover else tf.reduce_max(shape))
@@ -38,9 +49,7 @@ def resize(size: int, method: str = 'stretch') -> preprocessing.ImageOp:
     return lambda images: resize_images(images, (size, size))
 
   def fitted(images: tf.Tensor) -> tf.Tensor:
-    scaled = tf.image.resize(images, _fitted_size(images, size, cover=method == 'crop'),
-                             antialias=True)
-    scaled = tf.cast(tf.clip_by_value(tf.round(scaled), 0, 255), tf.uint8)
+    scaled = resize_images(images, fitted_size(images, size, cover=method == 'crop'))
     return tf.image.resize_with_crop_or_pad(scaled, size, size)
 
   return fitted

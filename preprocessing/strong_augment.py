@@ -50,7 +50,7 @@ def _per_image(values: tf.Tensor) -> tf.Tensor:
   return values[:, None, None, None]
 
 
-def _box_sizes(seed: tf.Tensor, num: tf.Tensor, area: int, scale: tuple[float, float],
+def _box_sizes(seed: tf.Tensor, num: tf.Tensor, area: tf.Tensor, scale: tuple[float, float],
                ratio: tuple[float, float]) -> tuple[tf.Tensor, tf.Tensor]:
   """torchvision's box draws, _ATTEMPTS per image: (sqrt(a * r), sqrt(a / r)), rounded.
 
@@ -112,24 +112,32 @@ def _inception_crop(images: tf.Tensor, seed: tf.Tensor, *, size: int, scale: tup
   if (height, width) != (size, size):
     raise ValueError(f'inception_crop({size}) makes {size}x{size} images of {height}x{width} '
                      'ones: its size must be the image size')
-  num = tf.shape(images)[0]
+  tops, lefts, heights, widths = crop_windows(seed, tf.shape(images)[0], height, width, scale,
+                                              ratio)
+  return _resized_crops(images, tops, lefts, heights, widths, size)
+
+
+def crop_windows(seed: tf.Tensor, num, height, width, scale: tuple[float, float],
+                 ratio: tuple[float, float]) -> tuple[tf.Tensor, ...]:
+  """`num` windows (tops, lefts, heights, widths: (num,) int32 each) of a `height` x `width`
+  image (ints, or int32 scalars for one image of any size), drawn as torchvision's
+  RandomResizedCrop draws them: the first of `_box_sizes`' boxes that fits, at a uniform
+  offset."""
   size_seed, row_seed, column_seed = _split(seed, 3)
-  widths, heights = _box_sizes(size_seed, num, height * width, scale, ratio)
+  widths, heights = _box_sizes(size_seed, num, tf.cast(height * width, tf.float32), scale, ratio)
   fits = (widths > 0) & (widths <= width) & (heights > 0) & (heights <= height)
   found = tf.reduce_any(fits, axis=1)
   # torchvision's fallback when no attempt fits: the centred window of the whole image with its
-  # aspect ratio clamped to `ratio` (static: the image size is known when the op is traced).
-  if width / height < ratio[0]:
-    fallback = (width, round(width / ratio[0]))
-  elif width / height > ratio[1]:
-    fallback = (round(height * ratio[1]), height)
-  else:
-    fallback = (width, height)
-  widths = tf.where(found, _first(fits, widths), fallback[0])
-  heights = tf.where(found, _first(fits, heights), fallback[1])
+  # aspect ratio clamped to `ratio`, rounded in float64 as Python's round is.
+  height_64, width_64 = tf.cast(height, tf.float64), tf.cast(width, tf.float64)
+  narrow, wide = width_64 / height_64 < ratio[0], width_64 / height_64 > ratio[1]
+  fallback_width = tf.where(wide, tf.cast(tf.round(height_64 * ratio[1]), tf.int32), width)
+  fallback_height = tf.where(narrow, tf.cast(tf.round(width_64 / ratio[0]), tf.int32), height)
+  widths = tf.where(found, _first(fits, widths), fallback_width)
+  heights = tf.where(found, _first(fits, heights), fallback_height)
   tops = tf.where(found, _offsets(row_seed, height - heights), (height - heights) // 2)
   lefts = tf.where(found, _offsets(column_seed, width - widths), (width - widths) // 2)
-  return _resized_crops(images, tops, lefts, heights, widths, size)
+  return tops, lefts, heights, widths
 
 
 def _resized_crops(images: tf.Tensor, tops: tf.Tensor, lefts: tf.Tensor, heights: tf.Tensor,
