@@ -8,7 +8,10 @@ import jax
 import numpy as np
 import pytest
 
+from configs import default
+from core import errors
 from training import calibration
+from training import run_spec
 
 
 def _overconfident(num=2000, classes=10, seed=0):
@@ -69,3 +72,13 @@ def test_scored_model_divides_by_the_temperature_and_averages_the_mirror():
   np.testing.assert_allclose(
       averaged, (softmax(logits / 2.5) + softmax(mirrored / 2.5)) / 2, rtol=1e-5)
   assert not np.allclose(averaged, scaled)  # The mirror counted.
+
+
+def test_resolve_refuses_an_unknown_test_time_augmentation():
+  config = default.get_config()
+  config.eval_tta = 'mirror'
+  with pytest.raises(errors.ConfigError) as error:
+    run_spec.resolve(config)
+  assert (error.value.key, error.value.value) == ('eval_tta', 'mirror')
+  config.eval_tta = 'flip'
+  assert run_spec.resolve(config).eval_tta == 'flip'
