@@ -233,9 +233,10 @@ class CalibrationError(Evaluator):
     bins = jnp.clip(jnp.ceil(confidence * self.bins).astype(jnp.int32) - 1, 0, self.bins - 1)
     # Masked one-hot bins times the values: a small matmul (as _Confusion's) for the sums.
     in_bin = jax.nn.one_hot(bins, self.bins) * batch['mask'][:, None]
-    return {'count': state['count'] + jnp.round(in_bin.sum(axis=0)).astype(jnp.int32),
+    counted = lambda values: jnp.round(values.astype(jnp.float32) @ in_bin).astype(jnp.int32)
+    return {'count': state['count'] + counted(batch['mask']),
             'confidence': state['confidence'] + confidence @ in_bin,
-            'correct': state['correct'] + jnp.round(correct.astype(jnp.float32) @ in_bin).astype(jnp.int32)}
+            'correct': state['correct'] + counted(correct)}
 
   def results(self, state, info):
     gaps = np.abs(np.asarray(state['correct'], np.float64) - state['confidence'])
