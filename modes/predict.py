@@ -82,8 +82,8 @@ def listed_files(path: str) -> list[str]:
     rows = rows[1:]
   entries = [row[column] if column < len(row) else '' for row in rows]
   if not entries or not all(entries):
-    empty = entries.index('') + 2 if '' in entries else None
-    raise refuse(f'has an empty path in row {empty}' if empty else 'lists no path')
+    raise refuse(f'has a row without a path: {rows[entries.index("")]}' if entries
+                 else 'lists no path')
   return [os.path.join(folder, entry) for entry in entries]  # An absolute entry stays itself.
 
 
