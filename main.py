@@ -1,7 +1,8 @@
 """Trains an NNX classifier: `python main.py --config=configs/default.py --workdir=runs/mnist`.
 
 Rerunning the command on the same workdir resumes from its latest checkpoint. On a trained
-workdir, `--mode=eval` scores a checkpoint, `--mode=export` writes it as a TF SavedModel and
+workdir, `--mode=eval` scores a checkpoint, `--mode=export` writes it as a TF SavedModel (or
+ONNX, TFLite, StableHLO: --export_format) and
 `--mode=predict --inputs=PATH` classifies image files; they read the config the workdir was
 trained with, so they need only `--workdir`.
 
@@ -47,8 +48,8 @@ config_flags.DEFINE_config_file(
     'the workdir was trained with, else configs/default.py.', lock_config=True)
 flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'export', 'predict'],
                   'train (resuming from the latest checkpoint), eval (score a checkpoint, with '
-                  'a report), export (a checkpoint as a TF SavedModel) or predict (classify '
-                  'the images of --inputs).')
+                  'a report), export (a checkpoint as a TF SavedModel, or --export_format) or '
+                  'predict (classify the images of --inputs).')
 flags.mark_flags_as_required(['workdir'])
 flags.DEFINE_string('inputs', None, '--mode=predict: an image file, a directory of images '
                     '(searched recursively), a glob pattern or a CSV file listing images.')
@@ -59,6 +60,9 @@ flags.DEFINE_enum('tta', None, list(calibration.TTA_CHOICES), '--mode=predict: t
                   '(--mode=eval: config.eval_tta).')
 flags.DEFINE_string('checkpoint', 'latest', '--mode=eval/export/predict: the checkpoint to use: '
                     'latest, best (best config.best_metric at an epoch end) or a step number.')
+flags.DEFINE_enum('export_format', 'saved_model', export.FORMATS,
+                  '--mode=export: saved_model (TensorFlow, images of any size), onnx (ONNX '
+                  'Runtime), tflite (LiteRT) or stablehlo (jax.export); each with a model card.')
 flags.DEFINE_bool('verbose', False, "Show the libraries' start-up notices and INFO lines.")
 flags.DEFINE_string('coordinator_address', None,
                     'HOST:PORT of process 0, for a multi-process run (jax.distributed).')
@@ -106,7 +110,7 @@ def main(argv):
     elif FLAGS.mode == 'eval':  # Eval, export and predict only read the workdir.
       evaluate.evaluate_checkpoint(run, FLAGS.workdir, FLAGS.checkpoint)
     elif FLAGS.mode == 'export':
-      export.export_saved_model(run, FLAGS.workdir, FLAGS.checkpoint)
+      export.export(run, FLAGS.workdir, FLAGS.export_format, FLAGS.checkpoint)
     else:
       predict.predict(run, FLAGS.workdir, FLAGS.inputs, FLAGS.checkpoint, FLAGS.top_k,
                       FLAGS.tta)

@@ -1,56 +1,176 @@
-"""Export for serving: a checkpoint's model, in eval mode, with its preprocessing, as a TF
-SavedModel in `<workdir>/export`, which a user with TensorFlow alone can run.
+"""Export for serving: a checkpoint's model, in eval mode, with its preprocessing and the
+workdir's fitted temperature, in the format of the runtime that serves it.
 
-The model is converted with `jax2tf`; its weights (Params and BatchStats) become TF variables.
-In front of it, the deterministic part of `config.preprocess` (resize, then scale), the same TF
-ops that training and `--mode=predict` run. Signatures:
-  serving_default (and `predict`): `images`, uint8 (batch, height, width, channels) pixels 0-255
-    of any size (one size per call) -> `logits` (batch, num_classes);
-  classify: the same input -> {'class': the predicted class names, 'probability': their
-    softmax probabilities};
-  class_names (no input): {'class_names': every class name, in label order}.
+    python main.py --workdir=runs/mnist --mode=export [--export_format=saved_model|onnx|tflite|stablehlo]
+
+Every format takes uint8 images (batch, height, width, channels), pixels 0-255, and returns
+float32 logits (batch, num_classes) divided by the temperature (training/calibration.py; 1.0
+when none was fitted). The JAX function exported is the same for all: the scale stage of
+`config.preprocess` (uint8 -> float32, then normalize/value_range), the model, the temperature.
+
+  saved_model  `<workdir>/export/`, for TensorFlow (Serving): images of any size, resized as
+               training did by the TF ops of `config.preprocess`'s image stage, in front of the
+               model converted with jax2tf (native serialization, for CPU and CUDA). Signatures:
+               serving_default (`logits`); classify (`class`, `probability`); class_names.
+  onnx         `<workdir>/export_onnx/model.onnx` through jax2onnx, for ONNX Runtime;
+  tflite       `<workdir>/export_tflite/model.tflite` through TF's LiteRT converter;
+  stablehlo    `<workdir>/export_stablehlo/model.stablehlo`: `jax.export`'s serialized bytes
+               (`jax.export.deserialize(data).call(images)`), for CPU and CUDA.
+The last three take images of the training size (their resize ops are TF ops, which these
+runtimes cannot run): they refuse to export a `config.preprocess` whose image stage changes
+images of that size (a crop op), which only the SavedModel can carry. Every format's batch size
+is free. Each export is checked with its own runtime against the JAX model on probe images, and
+writes a model card next to it (model_card.py).
 """
 
+import dataclasses
+import importlib
+import logging as python_logging
 import os
+import tempfile
 
 from absl import logging
 from flax import nnx
 import jax
 from jax.experimental import jax2tf
+import jax.numpy as jnp
 import numpy as np
 import tensorflow as tf
 
+from core import errors
+from data_sources import base
 import modes
+from modes import model_card
+import preprocessing
+from training import calibration
 from training import run_spec
 
-EXPORT_DIR = 'export'
+FORMATS = ('saved_model', 'onnx', 'tflite', 'stablehlo')
+EXPORT_DIR = 'export'  # The SavedModel's directory in the workdir; the others add _<format>.
+FILES = {'onnx': 'model.onnx', 'tflite': 'model.tflite', 'stablehlo': 'model.stablehlo'}
+# Where the SavedModel and StableHLO run: lowered for both, whichever machine exports.
+PLATFORMS = ('cpu', 'cuda')
+_PROBE_IMAGES = 4  # Random images that each export is checked on.
+_TOLERANCE = 1e-3  # Of the runtime's logits against JAX's, relative to the logits' scale.
 
 
-def export_saved_model(run: run_spec.Run, workdir: str, checkpoint: str = 'latest') -> str:
-  """Writes a checkpoint's model (--checkpoint) to `<workdir>/export`; returns that path."""
+@dataclasses.dataclass(frozen=True)
+class Classifier:
+  """A checkpoint's model as one JAX function of its weights and uint8 images of the training
+  size: the scale stage, the model, the temperature."""
+  info: base.DatasetInfo
+  step: int
+  preprocess: preprocessing.Preprocessing
+  temperature: float
+  graphdef: nnx.GraphDef
+  treedef: jax.tree_util.PyTreeDef
+  weights: list[np.ndarray]  # Params and BatchStats, flat (an nnx.List's keys are integers).
+  names: list[str]  # Each weight's path, e.g. 'blocks/0/conv1/kernel'.
+  rest: nnx.State
+
+  def logits(self, weights: list, images: jax.Array) -> jax.Array:
+    model = nnx.merge(self.graphdef, nnx.State(jax.tree.unflatten(self.treedef, weights)),
+                      self.rest)
+    return model(self.preprocess.scale(images)).astype(jnp.float32) / np.float32(
+        self.temperature)
+
+  def closed(self, images: jax.Array) -> jax.Array:
+    """`logits` with the weights as constants, for the formats that embed them."""
+    return self.logits(self.weights, images)
+
+  def images_spec(self, batch) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((batch, *self.info.image_shape), jnp.uint8)
+
+
+def load_classifier(run: run_spec.Run, workdir: str, checkpoint: str = 'latest') -> Classifier:
+  """The `Classifier` of a checkpoint (--checkpoint) of `workdir`."""
+  # The stock layers: the XLA:CPU ones (kernels/cpu.py) choose their algorithm from the batch
+  # size while tracing, which a batch of symbolic size cannot answer; both compute the same
+  # function of the same weights.
+  run = dataclasses.replace(run, model=dataclasses.replace(run.model, cpu_kernels='off'))
   info = modes.dataset_info(run, workdir)
   model, step = modes.load_model(run, workdir, info, checkpoint)
-  preprocess = run.input.preprocess
-  height, width, channels = info.image_shape
   graphdef, weights, rest = nnx.split(model, (nnx.Param, nnx.BatchStat), ...)
+  with_paths, treedef = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(weights))
+  return Classifier(
+      info=info, step=step, preprocess=run.input.preprocess,
+      temperature=calibration.saved_temperature(workdir), graphdef=graphdef, treedef=treedef,
+      weights=[np.asarray(value) for _, value in with_paths],
+      names=[jax.tree_util.keystr(path, simple=True, separator='/') for path, _ in with_paths],
+      rest=rest)
 
-  def logits(weights, images):
-    return nnx.merge(graphdef, nnx.State(weights), rest)(images).astype(jax.numpy.float32)
 
+def export(run: run_spec.Run, workdir: str, export_format: str = 'saved_model',
+           checkpoint: str = 'latest') -> str:
+  """Writes a checkpoint's model (--checkpoint) in `export_format` with its model card into
+  the workdir; returns the path of the model (the SavedModel's directory, or the file)."""
+  if export_format not in FORMATS:
+    raise errors.FlagError(f'Unknown --export_format={export_format!r}: use one of '
+                           f'{list(FORMATS)}.', flag='export_format', value=export_format)
+  classifier = load_classifier(run, workdir, checkpoint)
+  directory = os.path.join(os.path.abspath(workdir), EXPORT_DIR + (
+      '' if export_format == 'saved_model' else f'_{export_format}'))
+  os.makedirs(directory, exist_ok=True)
+  if export_format == 'saved_model':
+    path = directory
+    saved_model(classifier, path)
+  else:
+    _check_fixed_size(classifier, export_format)
+    path = os.path.join(directory, FILES[export_format])
+    {'onnx': onnx, 'tflite': tflite, 'stablehlo': stablehlo}[export_format](classifier, path)
+  difference = check(classifier, export_format, path)
+  any_size = export_format == 'saved_model'
+  model_card.write(directory, workdir, export_format=export_format, model_path=path,
+                   step=classifier.step, info=classifier.info, any_size=any_size,
+                   preprocess=classifier.preprocess.spec, temperature=classifier.temperature)
+  height, width, channels = classifier.info.image_shape
+  size = (f'of any size, resized to {height}x{width} as in training' if any_size else
+          f'of the training size {height}x{width} only (resize them first, as '
+          'config.preprocess does)')
+  logging.info('Exported the model of the checkpoint at step %d to %s.', classifier.step, path)
+  print(f'Exported the model of step {classifier.step} as {export_format} to {path}. It takes uint8 '
+        f'images (batch, height, width, {channels}), pixels 0-255, {size} '
+        f'(config.preprocess={classifier.preprocess.spec!r}) and returns logits divided by the '
+        f'temperature {classifier.temperature:.4g}; checked against the JAX model (max '
+        f'|logit difference| {difference:.2g}). Model card: '
+        f'{os.path.join(directory, model_card.MARKDOWN_FILE)}.')
+  return path
+
+
+def _check_fixed_size(classifier: Classifier, export_format: str) -> None:
+  """A `ConfigError` if the image stage changes images of the training size: a fixed-size
+  format would then see other pixels than predict does."""
+  probe = np.random.default_rng(0).integers(0, 256, classifier.info.image_shape, np.uint8)
+  resized = classifier.preprocess.resize(tf.constant(probe), classifier.info.image_shape[:2])
+  if resized.shape == probe.shape and np.array_equal(resized.numpy(), probe):
+    return
+  raise errors.ConfigError(
+      f'--export_format={export_format} takes images of the training size, but '
+      f'config.preprocess={classifier.preprocess.spec!r} changes such images before the model '
+      '(a crop), which only the SavedModel carries: use --export_format=saved_model.',
+      key='preprocess', value=classifier.preprocess.spec)
+
+
+def _tf_module(classifier: Classifier, any_size: bool, platforms=PLATFORMS) -> tf.Module:
+  """The classifier as a tf.Module: weights as TF variables, the JAX function through jax2tf;
+  with `any_size`, the image stage of config.preprocess (TF ops) in front."""
   module = tf.Module()
-  module.weights = tf.nest.map_structure(lambda x: tf.Variable(np.asarray(x), trainable=False),
-                                         nnx.to_pure_dict(weights))
-  converted = jax2tf.convert(logits, polymorphic_shapes=[None, '(batch, ...)'],
-                             with_gradient=False)
-  images_spec = tf.TensorSpec((None, None, None, channels), tf.uint8, name='images')
+  module.weights = [tf.Variable(value, trainable=False, name=name)
+                    for value, name in zip(classifier.weights, classifier.names)]
+  converted = jax2tf.convert(classifier.logits, polymorphic_shapes=[None, '(batch, ...)'],
+                             with_gradient=False, native_serialization_platforms=platforms)
+  height, width, channels = classifier.info.image_shape
+  images_spec = tf.TensorSpec((None, None if any_size else height, None if any_size else width,
+                               channels), tf.uint8, name='images')
 
   def predict(images):
-    resized = tf.ensure_shape(preprocess.resize(images, (height, width)),
-                              (None, height, width, channels))
-    return {'logits': converted(module.weights, preprocess.eval_batch(resized))}
+    if any_size:
+      images = tf.ensure_shape(classifier.preprocess.resize(images, (height, width)),
+                               (None, height, width, channels))
+    return {'logits': converted(list(module.weights), images)}
 
   module.predict = tf.function(predict, autograph=False, input_signature=[images_spec])
-  names = tf.constant(info.class_names)
+  names = tf.constant(classifier.info.class_names)
 
   def classify(images):
     probabilities = tf.nn.softmax(module.predict(images)['logits'])
@@ -60,13 +180,93 @@ def export_saved_model(run: run_spec.Run, workdir: str, checkpoint: str = 'lates
   module.classify = tf.function(classify, autograph=False, input_signature=[images_spec])
   module.class_names = tf.function(lambda: {'class_names': names}, autograph=False,
                                    input_signature=[])
-  path = os.path.join(os.path.abspath(workdir), EXPORT_DIR)
+  return module
+
+
+def saved_model(classifier: Classifier, path: str) -> None:
+  module = _tf_module(classifier, any_size=True)
   tf.saved_model.save(module, path, signatures={'serving_default': module.predict,
                                                 'classify': module.classify,
                                                 'class_names': module.class_names})
-  logging.info('Exported the model of the checkpoint at step %d to %s.', step, path)
-  print(f'Exported the model of step {step} as a TF SavedModel to {path}. It takes uint8 '
-        f'images (batch, height, width, {channels}), pixels 0-255, of any size, resized to '
-        f'{height}x{width} as in training (config.preprocess={preprocess.spec!r}); '
-        "signatures: serving_default (logits), classify (class names), class_names.")
-  return path
+
+
+def tflite(classifier: Classifier, path: str) -> None:
+  """LiteRT's converter reads a SavedModel: the fixed-size one, lowered for the CPU, where
+  LiteRT runs it (its converter turns the jax2tf call into LiteRT ops)."""
+  module = _tf_module(classifier, any_size=False, platforms=('cpu',))
+  with tempfile.TemporaryDirectory() as directory:
+    tf.saved_model.save(module, directory, signatures={'serving_default': module.predict})
+    converted = tf.lite.TFLiteConverter.from_saved_model(directory).convert()
+  with open(path, 'wb') as file:
+    file.write(converted)
+
+
+def onnx(classifier: Classifier, path: str) -> None:
+  """Through jax2onnx, from the function's jaxpr (lax primitives only): jax2onnx's own
+  replacements of flax layers, patched in while it traces, fail on this JAX version."""
+  jax2onnx = _require('jax2onnx', 'onnx')
+  # Its dm_pix plugins fail to import on this JAX version (unused here), each with a traceback.
+  python_logging.getLogger('jax2onnx').setLevel(python_logging.ERROR)
+  batch, = jax.export.symbolic_shape('batch')
+  spec = classifier.images_spec(batch)
+  jaxpr = jax.make_jaxpr(classifier.closed)(spec)
+  jax2onnx.to_onnx(lambda images: jax.core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, images)[0],
+                   [spec], model_name='classifier', input_names=['images'],
+                   output_names=['logits'], return_mode='file', output_path=path)
+
+
+def stablehlo(classifier: Classifier, path: str) -> None:
+  batch, = jax.export.symbolic_shape('batch')
+  exported = jax.export.export(jax.jit(classifier.closed), platforms=PLATFORMS)(
+      classifier.images_spec(batch))
+  with open(path, 'wb') as file:
+    file.write(exported.serialize())
+
+
+def run_exported(export_format: str, path: str, images: np.ndarray) -> np.ndarray:
+  """The logits of uint8 `images` from the export at `path`, run by its format's runtime."""
+  if export_format == 'saved_model':
+    return tf.saved_model.load(path).signatures['serving_default'](
+        images=tf.constant(images))['logits'].numpy()
+  if export_format == 'onnx':
+    session = _require('onnxruntime', export_format).InferenceSession(path)
+    return session.run(['logits'], {'images': images})[0]
+  if export_format == 'tflite':
+    interpreter = _require('ai_edge_litert.interpreter', export_format).Interpreter(
+        model_path=path)
+    return interpreter.get_signature_runner()(images=images)['logits']
+  with open(path, 'rb') as file:
+    return np.asarray(jax.export.deserialize(file.read()).call(images))
+
+
+def check(classifier: Classifier, export_format: str, path: str) -> float:
+  """The export's largest logit difference from the JAX model's on random probe images; a
+  `DataError` naming the format when its runtime disagrees (a converter's fault)."""
+  images = np.random.default_rng(0).integers(
+      0, 256, (_PROBE_IMAGES, *classifier.info.image_shape), np.uint8)
+  expected = np.asarray(jax.jit(classifier.closed)(images))
+  try:
+    difference = float(np.abs(run_exported(export_format, path, images) - expected).max())
+    reason = f"its logits differ from the JAX model's by up to {difference:.3g}"
+  except errors.UserError:
+    raise
+  except Exception as error:  # pylint: disable=broad-except  (the runtime's, reported in one line)
+    difference, reason = np.inf, f'{type(error).__name__}: {str(error).splitlines()[0][:200]}'
+  if difference > _TOLERANCE * max(1.0, float(np.abs(expected).max())):
+    raise errors.DataError(
+        f'The {export_format} export of this model at {path} does not run as the JAX model '
+        f'({reason}): this model has a layer the converter does not carry; use '
+        '--export_format=saved_model or stablehlo.', what=path, export_format=export_format)
+  return difference
+
+
+def _require(module: str, export_format: str):
+  """The optional package `module`, imported; a `FlagError` naming the extra if absent."""
+  try:
+    return importlib.import_module(module)
+  except ImportError as error:
+    package = module.split('.')[0]
+    raise errors.FlagError(
+        f'--export_format={export_format} needs the {package!r} package, which is not '
+        'installed: pip install -r requirements-extras.txt.', flag='export_format',
+        value=export_format, package=package) from error

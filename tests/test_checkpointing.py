@@ -1,4 +1,4 @@
-"""Checkpoints on real MNIST: exact resume after SIGKILL/SIGTERM, NaN halt, mismatch, eval, export.
+"""Checkpoints on real MNIST: exact resume after SIGKILL/SIGTERM, NaN halt, mismatch, eval.
 
 Every run trains the CNN (dropout + BatchNorm, so the RNG and batch statistics must resume too)
 for 2 epochs of 10 steps on the first 1,280 training images, checkpointing every 3 steps.
@@ -17,13 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-import tensorflow as tf
 
 from configs import default
 from core import errors
-import modes
 from modes import evaluate
-from modes import export
 import train
 from training import checkpointing
 from training import hooks
@@ -31,7 +28,6 @@ from training import summaries
 from training import workdirs
 from training import run_spec
 from test_train import create
-import conftest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = {'train_split': 'train[:1280]', 'num_epochs': 2, 'checkpoint_every_steps': 3,
@@ -221,21 +217,6 @@ def test_eval_only_without_checkpoint_says_so(tfds_data_dir, tmp_path):
   with pytest.raises(errors.CheckpointError) as error:
     evaluate.evaluate_checkpoint(run_spec.resolve(_config(tfds_data_dir)), str(tmp_path))
   assert error.value.directory == os.path.join(str(tmp_path), 'checkpoints')
-
-
-@pytest.mark.slow
-def test_exported_saved_model_predicts_like_the_jax_model(reference, tfds_data_dir):
-  config = _config(tfds_data_dir)
-  path = export.export_saved_model(run_spec.resolve(config), reference)
-  assert path == os.path.join(reference, 'export')
-  data = conftest.open_data(config)
-  model, step = modes.load_model(run_spec.resolve(config), reference, data.info)
-  assert step == NUM_STEPS
-  raw = data.source.load_split('test[:100]').images  # uint8, as a user has them.
-  images = raw.astype(np.float32) / 255
-  loaded = tf.saved_model.load(path)
-  served = loaded.signatures['serving_default'](images=tf.constant(raw))['logits']
-  np.testing.assert_allclose(served.numpy(), model(images), rtol=1e-4, atol=1e-4)
 
 
 def test_a_nonfinite_state_is_never_saved(tmp_path):

@@ -1,24 +1,19 @@
-"""Predict and export with class names: an image folder -> training -> predict round trip."""
+"""Predict with class names: an image folder -> training -> predict round trip."""
 
 import csv
 import json
 import logging
 import os
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 from PIL import Image
 import pytest
-import tensorflow as tf
 
 from configs import default
 from core import errors
 from data_sources import base
 import image_folders
 from modes import evaluate
-from modes import export
 from modes import predict
 import train
 from training import calibration
@@ -216,27 +211,3 @@ def test_predict_bad_inputs_are_one_line_errors(trained, tmp_path):
   assert 'grayscale' in str(error.value)
 
 
-def test_saved_model_in_plain_tensorflow_classifies_as_predict(trained, tmp_path):
-  root, files, workdir, _ = trained
-  path = export.export_saved_model(run_spec.resolve(_config(root)), workdir)
-  loaded = tf.saved_model.load(path)
-  names = loaded.signatures['class_names']()['class_names'].numpy()
-  assert tuple(name.decode() for name in names) == CLASSES
-  test_files = [file for file, _ in files['test'] if not file.endswith('.gif')]
-  predictions = {file: name for file, name, _ in
-                 _read(predict.predict(run_spec.resolve(_config(root)), workdir, os.path.join(root, 'test')))[1:]}
-  # A plain python with TensorFlow only, on the raw files of mixed sizes, one at a time.
-  script = textwrap.dedent(f"""
-      import sys
-      import tensorflow as tf
-      model = tf.saved_model.load({path!r})
-      for file in sys.argv[1:]:
-        image = tf.io.decode_image(tf.io.read_file(file), channels=3, expand_animations=False)
-        print(model.signatures['classify'](images=image[None])['class'].numpy()[0].decode())
-      """)
-  result = subprocess.run([sys.executable, '-c', script, *test_files], capture_output=True,
-                          text=True, timeout=300, check=True)
-  assert result.stdout.split('\n')[:-1] == [predictions[file] for file in test_files]
-  with pytest.raises(Exception) as error:  # A float input: TF's own one-line signature error.
-    loaded.signatures['classify'](images=tf.zeros((1, 16, 16, 3)))
-  assert 'uint8' in str(error.value) or 'dtype' in str(error.value)

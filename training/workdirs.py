@@ -100,7 +100,7 @@ def _holder(lock) -> str:
   return f'pid {holder["pid"]} on host {holder["host"]}, started {holder["started"]}'
 
 
-def _write_json(path: str, value) -> None:
+def write_json(path: str, value) -> None:
   """Writes `value` to `path` atomically: a reader sees the old or the new file."""
   with open(path + '.tmp', 'w', encoding='utf-8') as file:
     json.dump(value, file, indent=2, sort_keys=True)
@@ -150,7 +150,7 @@ def check_resume_config(settings: dict, workdir: str, has_checkpoint: bool) -> N
       stamp = datetime.datetime.now().strftime('%Y%m%dT%H%M%S')
       os.replace(path, os.path.join(workdir, f'config.{stamp}.json'))
   if jax.process_index() == 0:
-    _write_json(path, settings)
+    write_json(path, settings)
 
 
 def _listed(keys: list[str], old: dict, new: dict) -> str:
@@ -162,7 +162,7 @@ def _listed(keys: list[str], old: dict, new: dict) -> str:
 def save_info(workdir: str, info: base.DatasetInfo) -> None:
   """Writes `info` to <workdir>/INFO_FILE (process 0 only)."""
   if jax.process_index() == 0:
-    _write_json(os.path.join(workdir, INFO_FILE), dataclasses.asdict(info))
+    write_json(os.path.join(workdir, INFO_FILE), dataclasses.asdict(info))
 
 
 def saved_info(workdir: str) -> base.DatasetInfo | None:

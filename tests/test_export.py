@@ -1,0 +1,217 @@
+"""Export (modes/export.py): every format, run by its own runtime on uint8 image files, gives
+predict's classes; every registered model exports as a SavedModel with the JAX model's logits;
+the model card says what the model takes and where it came from."""
+
+import csv
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from flax import nnx
+import numpy as np
+from PIL import Image
+import pytest
+import tensorflow as tf
+
+from configs import default
+import conftest
+from conftest import requires_extras
+from core import errors
+from data_sources import base
+import image_folders
+import models
+import modes
+from modes import export
+from modes import model_card
+from modes import predict
+import preprocessing
+from training import calibration
+from training import checkpointing
+from training import provenance
+from training import run_spec
+from training import summaries
+from training import workdirs
+
+SIZE = 16
+CLASSES = ('centre', 'left half', 'top')
+TEMPERATURE = 2.0
+# The runtime of each format, as a user runs it on a batch of uint8 images.
+RUNTIMES = {'saved_model': 'tensorflow', 'onnx': 'onnxruntime', 'tflite': 'ai_edge_litert',
+            'stablehlo': 'jax'}
+# Registered models whose checkpoint takes long to create and convert at 32 px on 2 cores.
+SLOW_MODELS = ('resnet18', 'resnet34', 'resnet50', 'vit_small_patch16_224',
+               'vit_base_patch16_224', 'convnext_tiny', 'efficientnet_b0',
+               'vit_tiny_patch16_224')
+
+
+def _config(root: str, model: str = 'cnn', image_size: int = SIZE):
+  config = default.get_config()
+  config.update(dict(data_source='folder', dataset=root, eval_split='test', batch_size=4,
+                     eval_batch_size=4, model=model, preprocess=f'resize({image_size})'))
+  config.model_options.cnn.update(conv1_features=4, conv2_features=8, hidden_features=16)
+  return config
+
+
+def _make_workdir(workdir: str, config, image_shape=(SIZE, SIZE, 3)) -> run_spec.Run:
+  """A workdir as training leaves it, without training: the saved config, data info, a
+  checkpoint of the initial state, a fitted temperature, metrics and provenance."""
+  run = run_spec.resolve(config)
+  info = base.DatasetInfo(name='shapes', image_shape=image_shape, num_classes=len(CLASSES),
+                          num_train_examples=8, num_eval_examples=4, class_names=CLASSES)
+  os.makedirs(workdir, exist_ok=True)
+  workdirs.check_resume_config(run.settings, workdir, has_checkpoint=False)
+  workdirs.save_info(workdir, info)
+  checkpoints = checkpointing.Checkpoints(workdir)
+  checkpoints.save(1, conftest.create_state(config, info, 1),
+                   {'epoch': 0, 'step_in_epoch': 1, 'steps_per_epoch': 1, 'hooks': {}})
+  checkpoints.close()
+  with open(os.path.join(workdir, calibration.TEMPERATURE_FILE), 'w', encoding='utf-8') as file:
+    json.dump({'temperature': TEMPERATURE}, file)
+  with open(os.path.join(workdir, summaries.METRICS_FILE), 'w', encoding='utf-8') as file:
+    file.write(json.dumps({'step': 1, 'eval/accuracy': 0.5}) + '\n')
+    file.write(json.dumps({'step': 1, 'test/accuracy': 0.25}) + '\n')
+  return run
+
+
+@pytest.fixture(scope='module')
+def workdir(tmp_path_factory):
+  """A small CNN's workdir, and image files of the training size and of other sizes."""
+  root = str(tmp_path_factory.mktemp('data') / 'shapes')
+  image_folders.make_shapes_folder(root, {'train': 4, 'test': 2}, corrupt=False)
+  directory = str(tmp_path_factory.mktemp('workdir'))
+  run = _make_workdir(directory, _config(root))
+  provenance.record_start(directory, run.settings, modes.dataset_info(run, directory))
+  rng = np.random.default_rng(0)
+  files = {}
+  for height, width in ((SIZE, SIZE), (2 * SIZE, 2 * SIZE), (20, 30)):
+    folder = tmp_path_factory.mktemp(f'images_{height}x{width}')
+    for index, name in enumerate(CLASSES * 2):
+      path = str(folder / f'{index}.png')
+      image_folders.shape_image(rng, name, (height, width), colour=True).save(path)
+    files[height, width] = str(folder)
+  return run, directory, files
+
+
+def _predicted(run, directory: str, folder: str) -> dict[str, str]:
+  """{file: class} of --mode=predict's code path."""
+  with open(predict.predict(run, directory, folder), newline='', encoding='utf-8') as file:
+    return {row['file']: row['class'] for row in csv.DictReader(file)}
+
+
+# A fresh python with only the format's runtime imported: the classes of the files given.
+_RUN = {
+    'saved_model': """
+        import tensorflow as tf
+        model = tf.saved_model.load(path)
+        logits = [model.signatures['serving_default'](images=tf.constant(image[None]))['logits'][0]
+                  for image in images]""",
+    'onnx': """
+        import onnxruntime
+        logits = onnxruntime.InferenceSession(path).run(['logits'], {'images': np.stack(images)})[0]""",
+    'tflite': """
+        from ai_edge_litert.interpreter import Interpreter
+        logits = Interpreter(model_path=path).get_signature_runner()(images=np.stack(images))['logits']""",
+    'stablehlo': """
+        import jax
+        with open(path, 'rb') as file:
+          logits = jax.export.deserialize(file.read()).call(np.stack(images))""",
+}
+
+
+def _runtime_classes(export_format: str, path: str, files: list[str]) -> list[str]:
+  script = textwrap.dedent("""
+      import sys
+      import numpy as np
+      from PIL import Image
+      path, files = sys.argv[1], sys.argv[2:]
+      images = [np.asarray(Image.open(file).convert('RGB')) for file in files]
+      """) + textwrap.dedent(_RUN[export_format]) + textwrap.dedent("""
+      print(' '.join(str(int(np.argmax(row))) for row in np.asarray(logits)))
+      """)
+  result = subprocess.run([sys.executable, '-c', script, path, *files], capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return [CLASSES[int(label)] for label in result.stdout.split()]
+
+
+@pytest.mark.parametrize('export_format', export.FORMATS)
+def test_each_format_in_its_runtime_classifies_as_predict(workdir, export_format):
+  requires_extras(RUNTIMES[export_format])
+  run, directory, files = workdir
+  path = export.export(run, directory, export_format)
+  sizes = list(files) if export_format == 'saved_model' else [(SIZE, SIZE)]
+  for size in sizes:
+    predicted = _predicted(run, directory, files[size])
+    paths = sorted(predicted)
+    assert _runtime_classes(export_format, path, paths) == [predicted[file] for file in paths], size
+  card = json.loads(open(os.path.join(os.path.dirname(path) if export_format != 'saved_model'
+                                      else path, model_card.JSON_FILE)).read())
+  assert card['input']['fixed_size'] == (export_format != 'saved_model')
+  assert card['temperature'] == TEMPERATURE
+
+
+def test_exports_divide_the_logits_by_the_temperature(workdir):
+  run, directory, files = workdir
+  path = export.export(run, directory, 'stablehlo')
+  model, _ = modes.load_model(run, directory, modes.dataset_info(run, directory))
+  images = np.stack([np.asarray(Image.open(os.path.join(files[SIZE, SIZE], name)).convert('RGB'))
+                     for name in sorted(os.listdir(files[SIZE, SIZE]))])
+  import jax  # pylint: disable=g-import-not-at-top
+  with open(path, 'rb') as file:
+    served = np.asarray(jax.export.deserialize(file.read()).call(images))
+  expected = np.asarray(model(run.input.preprocess.scale(images))) / TEMPERATURE
+  np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_model_card_says_what_the_model_takes_and_where_it_came_from(workdir):
+  run, directory, _ = workdir
+  path = export.export(run, directory, 'saved_model')
+  card = json.loads(open(os.path.join(path, model_card.JSON_FILE)).read())
+  assert card['classes'] == list(CLASSES)
+  assert card['input'] == {'name': 'images', 'dtype': 'uint8', 'range': [0, 255],
+                           'shape': ['batch', None, None, 3], 'fixed_size': False,
+                           'training_size': [SIZE, SIZE]}
+  assert card['preprocessing']['config_preprocess'] == run.input.preprocess.spec
+  assert card['config'] == workdirs.saved_config(directory).to_dict()
+  assert card['metrics'] == {'final': {'eval/accuracy': 0.5}, 'test': {'test/accuracy': 0.25}}
+  training, = card['provenance']['training']
+  assert training['data']['class_names'] == list(CLASSES)
+  assert set(training['packages']) == set(provenance.PACKAGES)
+  text = open(os.path.join(path, model_card.MARKDOWN_FILE)).read()
+  assert 'test/accuracy' in text and 'left half' in text
+
+
+def test_a_missing_runtime_is_one_line_naming_the_extra(workdir, monkeypatch):
+  run, directory, _ = workdir
+  monkeypatch.setitem(sys.modules, 'jax2onnx', None)  # Its import fails, as when absent.
+  with pytest.raises(errors.FlagError) as error:
+    export.export(run, directory, 'onnx')
+  assert (error.value.flag, error.value.package) == ('export_format', 'jax2onnx')
+
+
+def test_fixed_size_formats_refuse_an_image_stage_that_changes_training_size_images(workdir):
+  run, directory, _ = workdir
+  flipping = preprocessing.Preprocessing(spec='flip', image_ops=(tf.image.flip_left_right,))
+  flipped = dataclasses.replace(run, input=dataclasses.replace(run.input, preprocess=flipping))
+  with pytest.raises(errors.ConfigError) as error:
+    export.export(flipped, directory, 'stablehlo')
+  assert error.value.key == 'preprocess'
+
+
+@pytest.mark.parametrize('name', [
+    pytest.param(name, marks=pytest.mark.slow) if name in SLOW_MODELS else name
+    for name in models.MODELS.names()])
+def test_every_registered_model_exports_a_saved_model_with_its_logits(name, tmp_path):
+  """A model holding an nnx.List of blocks too (integer keys in its state)."""
+  root = str(tmp_path / 'unused')
+  run = _make_workdir(str(tmp_path), _config(root, model=name, image_size=32), (32, 32, 3))
+  path = export.export(run, str(tmp_path))
+  model, _ = modes.load_model(run, str(tmp_path), modes.dataset_info(run, str(tmp_path)))
+  images = np.random.default_rng(0).integers(0, 256, (2, 32, 32, 3), np.uint8)
+  served = tf.saved_model.load(path).signatures['serving_default'](
+      images=tf.constant(images))['logits'].numpy()
+  expected = np.asarray(model(run.input.preprocess.scale(images))) / TEMPERATURE
+  np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-4)
