@@ -133,7 +133,7 @@ def _oriented(image: tf.Tensor, orientation: tf.Tensor) -> tf.Tensor:
       lambda: tf.image.flip_up_down(image),
       lambda: transpose(image),
       lambda: rot90(image, 3),  # Stored turned 90 degrees counter-clockwise.
-      lambda: rot90(flip(image), 1),
+      lambda: rot90(flip(image), 3),  # Transverse (PIL's TRANSVERSE).
       lambda: rot90(image, 1),
   ])
 
@@ -151,22 +151,44 @@ def decode(path: tf.Tensor, channels: int, orientation: tf.Tensor | int = 1,
   return _decoded_data(tf.io.read_file(path), channels, orientation, alpha)
 
 
+def _stored_window(window: tf.Tensor, stored_size: tf.Tensor, orientation: tf.Tensor
+                   ) -> tf.Tensor:
+  """The window [top, left, height, width] of an image as displayed, in the pixels as stored
+  (`_oriented` turns the one into the other)."""
+  top, left, height, width = tf.unstack(window)
+  stored_height, stored_width = tf.unstack(stored_size)
+  bottom, right = stored_height - left - width, stored_width - top - height  # Turned a quarter.
+  return tf.switch_case(orientation - 1, [
+      lambda: window,
+      lambda: tf.stack([top, stored_width - left - width, height, width]),
+      lambda: tf.stack([stored_height - top - height, stored_width - left - width, height, width]),
+      lambda: tf.stack([stored_height - top - height, left, height, width]),
+      lambda: tf.stack([left, top, width, height]),
+      lambda: tf.stack([bottom, top, width, height]),
+      lambda: tf.stack([bottom, right, width, height]),
+      lambda: tf.stack([left, right, width, height]),
+  ])
+
+
 def decode_window(path: tf.Tensor, channels: int, window: tf.Tensor,
                   orientation: tf.Tensor | int = 1, alpha: tf.Tensor | bool = False) -> tf.Tensor:
-  """The `window` [top, left, height, width] of what `decode` gives. Of a JPEG stored upright
-  (EXIF orientation 1) only the window is decoded (`tf.image.decode_and_crop_jpeg`); other
-  files are decoded whole and cut."""
+  """The `window` [top, left, height, width] of what `decode` gives. Of a JPEG only the window
+  is decoded (`tf.image.decode_and_crop_jpeg`, the window turned to the stored pixels by the
+  EXIF orientation); other files are decoded whole and cut."""
   data = tf.io.read_file(path)
-  top, left, height, width = tf.unstack(window)
+  orientation = tf.cast(orientation, tf.int32)
+
+  def jpeg_window() -> tf.Tensor:
+    stored = _stored_window(window, tf.image.extract_jpeg_shape(data)[:2], orientation)
+    return _oriented(tf.image.decode_and_crop_jpeg(data, stored, channels=3),
+                     orientation)[..., :channels]
 
   def whole() -> tf.Tensor:
+    top, left, height, width = tf.unstack(window)
     image = _decoded_data(data, channels, orientation, alpha)
     return tf.slice(image, [top, left, 0], [height, width, -1])
 
-  upright_jpeg = tf.io.is_jpeg(data) & tf.equal(tf.cast(orientation, tf.int32), 1)
-  return tf.cond(upright_jpeg,
-                 lambda: tf.image.decode_and_crop_jpeg(data, window, channels=3)[..., :channels],
-                 whole)
+  return tf.cond(tf.io.is_jpeg(data), jpeg_window, whole)
 
 
 def _decoded_data(data: tf.Tensor, channels: int, orientation: tf.Tensor | int,
@@ -232,7 +254,7 @@ class ImageFilesSource(base.RangeSource):
   def cropped_examples(self, split: base.SplitArg, shuffle_seed: int,
                        crops: preprocessing.EpochCrops) -> tf.data.Dataset:
     """`examples` cut by `crops` as they are decoded: each window is drawn from the image's
-    size in its header, and only the window of an upright JPEG is decoded."""
+    size in its header, and only the window of a JPEG is decoded."""
     return self._files_dataset(self._split_files(split), shuffle_seed).enumerate().map(
         lambda index, file: {
             'image': crops.op.resize(decode_window(
