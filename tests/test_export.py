@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 
-from flax import nnx
 import numpy as np
 from PIL import Image
 import pytest

@@ -115,6 +115,8 @@ def record_start(workdir: str, settings: dict, info: base.DatasetInfo) -> dict:
 
 
 def _changes(old: dict, new: dict) -> list[str]:
-  """'key: old -> new' for each field of the fingerprint that differs."""
-  return [f'{key}: {old.get(key)!r} -> {new.get(key)!r}'
+  """'key: old -> new' for each field of the fingerprint that differs (as JSON, keys sorted as
+  the file stores them)."""
+  shown = lambda value: json.dumps(value, sort_keys=True)
+  return [f'{key}: {shown(old.get(key))} -> {shown(new.get(key))}'
           for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
