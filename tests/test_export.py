@@ -37,9 +37,9 @@ from training import workdirs
 SIZE = 16
 CLASSES = ('centre', 'left half', 'top')
 TEMPERATURE = 2.0
-# The runtime of each format, as a user runs it on a batch of uint8 images.
-RUNTIMES = {'saved_model': 'tensorflow', 'onnx': 'onnxruntime', 'tflite': 'ai_edge_litert',
-            'stablehlo': 'jax'}
+# The optional extras each format needs to export and run (the others come with the app).
+EXTRAS = {'saved_model': (), 'onnx': ('jax2onnx', 'onnxruntime'), 'tflite': ('ai_edge_litert',),
+          'stablehlo': ()}
 # Registered models whose checkpoint takes long to create and convert at 32 px on 2 cores.
 SLOW_MODELS = ('resnet18', 'resnet34', 'resnet50', 'vit_small_patch16_224',
                'vit_base_patch16_224', 'convnext_tiny', 'efficientnet_b0',
@@ -138,7 +138,7 @@ def _runtime_classes(export_format: str, path: str, files: list[str]) -> list[st
 
 @pytest.mark.parametrize('export_format', export.FORMATS)
 def test_each_format_in_its_runtime_classifies_as_predict(workdir, export_format):
-  requires_extras(RUNTIMES[export_format])
+  requires_extras(*EXTRAS[export_format])
   run, directory, files = workdir
   path = export.export(run, directory, export_format)
   sizes = list(files) if export_format == 'saved_model' else [(SIZE, SIZE)]
