@@ -1,7 +1,7 @@
 """Export for serving: a checkpoint's model, in eval mode, with its preprocessing and the
 workdir's fitted temperature, in the format of the runtime that serves it.
 
-    python main.py --workdir=runs/mnist --mode=export [--export_format=saved_model|onnx|tflite|stablehlo]
+    python main.py --workdir=runs/mnist --mode=export [--export_format=onnx|tflite|stablehlo]
 
 Every format takes uint8 images (batch, height, width, channels), pixels 0-255, and returns
 float32 logits (batch, num_classes) divided by the temperature (training/calibration.py; 1.0
@@ -128,8 +128,8 @@ def export(run: run_spec.Run, workdir: str, export_format: str = 'saved_model',
           f'of the training size {height}x{width} only (resize them first, as '
           'config.preprocess does)')
   logging.info('Exported the model of the checkpoint at step %d to %s.', classifier.step, path)
-  print(f'Exported the model of step {classifier.step} as {export_format} to {path}. It takes uint8 '
-        f'images (batch, height, width, {channels}), pixels 0-255, {size} '
+  print(f'Exported the model of step {classifier.step} as {export_format} to {path}. It takes '
+        f'uint8 images (batch, height, width, {channels}), pixels 0-255, {size} '
         f'(config.preprocess={classifier.preprocess.spec!r}) and returns logits divided by the '
         f'temperature {classifier.temperature:.4g}; checked against the JAX model (max '
         f'|logit difference| {difference:.2g}). Model card: '

@@ -109,10 +109,12 @@ _RUN = {
                   for image in images]""",
     'onnx': """
         import onnxruntime
-        logits = onnxruntime.InferenceSession(path).run(['logits'], {'images': np.stack(images)})[0]""",
+        session = onnxruntime.InferenceSession(path)
+        logits = session.run(['logits'], {'images': np.stack(images)})[0]""",
     'tflite': """
         from ai_edge_litert.interpreter import Interpreter
-        logits = Interpreter(model_path=path).get_signature_runner()(images=np.stack(images))['logits']""",
+        runner = Interpreter(model_path=path).get_signature_runner()
+        logits = runner(images=np.stack(images))['logits']""",
     'stablehlo': """
         import jax
         with open(path, 'rb') as file:

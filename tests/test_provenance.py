@@ -50,8 +50,8 @@ def test_a_record_names_versions_git_and_data(root, tmp_path):
   shutil.copytree(root, moved)
   assert provenance.data_fingerprint(_settings(moved), _info(9))['files_sha256'] == (
       data['files_sha256'])
-  shutil.copy(os.path.join(moved, 'test', 'top', os.listdir(os.path.join(moved, 'test', 'top'))[0]),
-              os.path.join(moved, 'test', 'top', 'extra.png'))
+  top = os.path.join(moved, 'test', 'top')
+  shutil.copy(os.path.join(top, sorted(os.listdir(top))[0]), os.path.join(top, 'extra.png'))
   assert provenance.data_fingerprint(_settings(moved), _info(9))['files_sha256'] != (
       data['files_sha256'])
 
