@@ -26,6 +26,7 @@ from training import init_from
 from training import loggers
 from training import parallel
 from training import provenance
+from training import progress
 from training import run_spec
 from training import state as state_lib
 from training import summaries
@@ -94,7 +95,7 @@ def train_and_evaluate(run: run_spec.Run, workdir: str) -> dict[str, float]:
       batches = input_pipeline.train_batches(
           train_split, data, run.input, parallel.local_batch_size(run.batch_size),
           *divmod(loop.step, steps_per_epoch))
-      hooks.run(loop, run_hooks, batches, train_step, session.place)
+      hooks.run(loop, run_hooks, batches, train_step, session.place, run.batch_size)
     if signals.received is not None:
       raise runtime.Interrupted(signals.received, loop.step, checkpoints.directory)
     if loop.stop:
@@ -209,7 +210,8 @@ def _hooks(session: Session, loop: hooks.Loop, schedule, train_split, eval_batch
     run_hooks.append(hooks.PreciseBatchNorm(
         lambda epoch: _epoch_tail(session, train_split, loop.steps_per_epoch, epoch)))
   run_hooks += [hooks.Evaluate(during, eval_batches[during.name], session.data.info,
-                               session.writer, train_metrics if during.name == 'eval' else None)
+                               session.writer, train_metrics if during.name == 'eval' else None,
+                               session.data.eval_sizes[during.name])
                 for during in _evaluations(run, during_training=True)]
   if run.early_stopping_patience:
     run_hooks.append(hooks.EarlyStopping(run.best.name, run.best.maximize,
@@ -262,7 +264,7 @@ def _evaluate_best(session: Session, at_end: evaluation.Evaluation,
   logging.info('Evaluating the best checkpoint (step %d) with %s on %r.', step, at_end.name,
                at_end.split)
   result = at_end.run(loop.state.eval_model(), _eval_batches(session, at_end),
-                      session.data.info)
+                      session.data.info, session.data.eval_sizes[at_end.name])
   session.writer.write_scalars(loop.step, result.scalars)
   if result.images:
     session.writer.write_images(loop.step, result.images)
@@ -298,7 +300,7 @@ def _log_summary(run: run_spec.Run, workdir: str, checkpoints: checkpointing.Che
   if evals:
     last = max(evals)
     best = checkpoints.best_step() or last
-    took = f' in {hooks.duration(seconds)}' if seconds is not None else ''
+    took = f' in {progress.duration(seconds)}' if seconds is not None else ''
     value = lambda step: evals.get(step, evals[last])[run.best.name]
     lines.append(f'Done{took}: {run.best.name} {value(last):.4f} at the last epoch (step '
                  f'{last}), best {value(best):.4f} (step {best}, kept as --checkpoint=best).')

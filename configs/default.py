@@ -152,7 +152,10 @@ def get_config() -> ml_collections.ConfigDict:
   # 'end' (once, with the best checkpoint) or a number of steps}. Their scalars are
   # '<name>/<scalar>', e.g. {'holdout': {'split': 'train[55000:]', 'every': 200}}.
   config.evaluations = ml_collections.ConfigDict()
-  config.eval_batch_size = 1000  # Examples per eval step; the last batch is padded and masked.
+  # Examples per eval step; the last batch is padded and masked. None = 4 x batch_size, at most
+  # 1000: an eval step keeps no activations for a backward pass, so four training batches take
+  # less memory than the training step already does (docs/performance.md, "Memory at 224 px").
+  config.eval_batch_size = ml_collections.config_dict.placeholder(int)
   # Test-time augmentation of --mode=eval (predict: --tta): 'flip' averages the softmax over each
   # image and its left-right mirror; None = off. Training's evaluations score the images alone.
   config.eval_tta = ml_collections.config_dict.placeholder(str)

@@ -71,3 +71,19 @@ class NonFiniteError(UserError):
   """The training loss or state became NaN/Inf at `step`; `last_checkpoint` is kept (or None)."""
   label = 'Training halted'
   required = ('step', 'last_checkpoint')
+
+
+class OutOfMemory(ConfigError):
+  """A compiled step needs more memory than there is: `key` names the batch size to lower."""
+  label = 'Out of memory'
+
+  @staticmethod
+  def caused(error: Exception) -> bool:
+    """Whether `error` (a JAX runtime error) is XLA failing to allocate: its status code is
+    only in the message ('RESOURCE_EXHAUSTED: Out of memory allocating ...')."""
+    return 'RESOURCE_EXHAUSTED' in str(error)
+
+  @staticmethod
+  def reason(error: Exception) -> str:
+    """XLA's first line, such as 'Out of memory allocating 6442450944 bytes'."""
+    return str(error).split('\n', 1)[0].replace('RESOURCE_EXHAUSTED: ', '').strip()

@@ -24,8 +24,12 @@ class Conv(nnx.Conv):
   matmuls (patches^T @ dy for the kernel, dy @ kernel^T for the patches) and the transpose of
   the patch extraction back to the input: XLA:CPU runs these matmuls faster than its own
   convolutions and their gradients. Without differentiation (eval, predict) it runs XLA's
-  convolution, which needs no patches in memory. The price: the backward pass keeps the patches,
-  kh * kw times the input's size (9x for a 3x3 kernel), until the gradient is computed.
+  convolution, which needs no patches in memory. The forward pass keeps only the input (as the
+  stock layer does) and the backward pass rebuilds the patches, so one layer's patches are in
+  memory at a time rather than every layer's from the forward pass to its gradient (at 224 px a
+  ResNet's would be gigabytes). A patch matrix larger than `PATCHES_LIMIT_BYTES` (kh * kw times
+  the input's size: large images, wide layers, large batches) is not built: that layer runs as
+  the stock layer does.
 
   Takes every `nnx.Conv` argument. Any other convolution (strides, dilation, feature groups,
   other padding, 1-D or 3-D kernels, a `precision`) runs as the stock layer runs it, so a model
@@ -41,12 +45,27 @@ class Conv(nnx.Conv):
 
 
 _NHWC = lax.ConvDimensionNumbers((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2))
+# The largest patch matrix one convolution builds, in bytes. The backward pass holds it and its
+# gradient at once; above this the layer runs XLA's convolution, whose memory is the stock
+# layer's. 256 MiB keeps MNIST's and CIFAR's layers (a few MiB to 75 MiB at batch 128) on the
+# matmuls, and bounds a 224-px ResNet's step (docs/performance.md, "Memory at 224 px").
+PATCHES_LIMIT_BYTES = 256 * 2**20
+
+
+def patches_bytes(input_shape: tuple[int, ...], kernel_shape: tuple[int, ...],
+                  dtype) -> int:
+  """The size of `conv_same`'s patch matrix for an NHWC input and an HWIO kernel."""
+  n, h, w, _ = input_shape
+  kh, kw, c, _ = kernel_shape
+  return n * h * w * kh * kw * c * jnp.dtype(dtype).itemsize
 
 
 def _conv_general_dilated(lhs, rhs, window_strides, padding, **options):
   """`conv_same` behind `nnx.Conv`'s `conv_general_dilated` hook where it computes the same
-  convolution; `lax.conv_general_dilated` with the same arguments everywhere else."""
-  if _is_conv_same(window_strides, padding, options):
+  convolution with patches of at most `PATCHES_LIMIT_BYTES`; `lax.conv_general_dilated` with
+  the same arguments everywhere else."""
+  if (_is_conv_same(window_strides, padding, options)
+      and patches_bytes(lhs.shape, rhs.shape, lhs.dtype) <= PATCHES_LIMIT_BYTES):
     return conv_same(lhs, rhs)
   return lax.conv_general_dilated(lhs, rhs, window_strides, padding, **options)
 
@@ -82,11 +101,16 @@ def conv_same(x: jax.Array, kernel: jax.Array) -> jax.Array:
 def _conv_same_fwd(x, kernel):
   patches = _patches(x, kernel.shape)
   y = patches.reshape(-1, patches.shape[-1]) @ kernel.reshape(-1, kernel.shape[-1])
-  return y.reshape(*x.shape[:3], -1), (patches, kernel)
+  return y.reshape(*x.shape[:3], -1), (x, kernel)
 
 
 def _conv_same_bwd(residuals, dy):
-  patches, kernel = residuals
+  x, kernel = residuals
+  # The barrier ties the patches to `dy`: XLA can neither merge them with the forward pass's
+  # (common subexpressions) nor compute them early, either of which would hold every layer's
+  # patches from the forward pass until its gradient.
+  x, dy = lax.optimization_barrier((x, dy))
+  patches = _patches(x, kernel.shape)
   dy = dy.reshape(-1, kernel.shape[-1])
   dkernel = (dy.T @ patches.reshape(dy.shape[0], -1)).T  # (out, in) order: the cheaper matmul.
   dpatches = (dy @ kernel.reshape(-1, kernel.shape[-1]).T).reshape(patches.shape)

@@ -15,6 +15,7 @@ mid-save, leaves nothing that the next start would pick up.
 import contextlib
 import errno
 import glob
+import json
 import logging as python_logging
 import os
 import re
@@ -300,6 +301,28 @@ class Checkpoints:
           f'{earlier}; free space (or fix the permissions) and rerun the same command to '
           'resume.', path=self.directory, reason=reason) from error
     logging.info('Saved checkpoint at step %d in %.2fs.', step, time.time() - start)
+
+  def record(self, step: int, progress: dict, metrics: dict[str, float]) -> None:
+    """Adds to the saved checkpoint `step` what is known only after it: the eval `metrics` by
+    which the best is kept, and the `progress` of the hooks that ran after the save (an epoch's
+    checkpoint is saved before its evaluations, so that a failed evaluation loses no training).
+
+    Orbax keeps both as JSON items of the step (its metrics item, this app's progress item):
+    each is written to a temporary file renamed over the item, so a process killed meanwhile
+    leaves the old or the new. `reload` then re-reads the steps' metrics, by which the next
+    save's clean-up keeps the best."""
+    if jax.process_index() == 0:
+      step_directory = os.path.join(self.directory, str(step))
+      for item, filename, value in (
+          ('progress', 'metadata', {**progress, 'layout': LAYOUT}),
+          (ocp.checkpoint_manager.METRIC_ITEM_NAME, ocp.checkpoint_manager.METRIC_ITEM_NAME,
+           metrics)):
+        os.makedirs(os.path.join(step_directory, item), exist_ok=True)
+        path = os.path.join(step_directory, item, filename)
+        with open(f'{path}.tmp', 'w', encoding='utf-8') as file:
+          json.dump(value, file)
+        os.replace(f'{path}.tmp', path)
+    self._manager.reload()
 
   def _remove_partial_saves(self) -> None:
     """Deletes what a failed save left: its temporary directory, which holds the lost space."""

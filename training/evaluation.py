@@ -19,14 +19,18 @@ from flax import nnx
 import jax
 import numpy as np
 
+from core import errors
 from data_sources import base
 import preprocessing
 from training import evaluators as evaluators_lib
 from training import parallel
+from training import progress
 from training import state as state_lib
 
 EVERY_EPOCH = 'epoch'  # At every epoch end.
 AT_END = 'end'  # Once, after training, with the best checkpoint.
+PROGRESS_SECONDS = 10.0  # A long evaluation logs a progress line this often.
+_POLL_SECONDS = 0.5  # How often the finished batches are counted, for the rate.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,15 +72,34 @@ class Evaluation:
     with state_lib.eval_mode(model):
       self._eval_step.lower(model, self._initial_states(info), batch_shapes).compile()
 
-  def run(self, model: nnx.Module, batches, info: base.DatasetInfo) -> Result:
+  def run(self, model: nnx.Module, batches, info: base.DatasetInfo,
+          num_examples: int | None = None) -> Result:
     """Scores `model` in eval mode (running BatchNorm averages, no dropout) on every batch of
-    the split (padded, masked and sharded as `input_pipeline.eval_batches` gives them)."""
+    the split (padded, masked and sharded as `input_pipeline.eval_batches` gives them).
+
+    An evaluation longer than `PROGRESS_SECONDS` logs a progress line that often (batches the
+    device has finished, with an ETA when `num_examples`, the split's size, is given); a batch
+    that does not fit in memory ends the run with `errors.OutOfMemory` naming
+    config.eval_batch_size."""
     start = time.time()
     states = self._initial_states(info)
-    with state_lib.eval_mode(model):
-      for batch in batches:
-        states = self._eval_step(model, states, batch)
-    states = jax.tree.map(parallel.to_host, states)
+    finished = progress.Finished()
+    watch = _EvalProgress(self, finished, num_examples)
+    batch_size = None
+    try:
+      with state_lib.eval_mode(model), progress.Ticker(watch.tick, _POLL_SECONDS):
+        for count, batch in enumerate(batches, 1):
+          batch_size = watch.batch_size = len(batch['mask'])
+          states = self._eval_step(model, states, batch)
+          finished.dispatched(count, jax.tree.leaves(states)[0])
+        states = jax.tree.map(parallel.to_host, states)
+    except jax.errors.JaxRuntimeError as error:
+      if not errors.OutOfMemory.caused(error):
+        raise
+      raise errors.OutOfMemory(
+          f'An eval step of {batch_size} examples ({self.name} on {self.split!r}) does not fit '
+          f'in memory ({errors.OutOfMemory.reason(error)}): set a lower '
+          'config.eval_batch_size.', key='eval_batch_size', value=batch_size) from error
     scalars, images, per_class = {}, {}, {}
     for evaluator, state in zip(self._evaluators, states):
       scalars.update(evaluator.results(state, info))
@@ -86,3 +109,31 @@ class Evaluation:
     return Result(scalars={f'{self.name}/{name}': value for name, value in scalars.items()},
                   images={f'{self.name}/{name}': image for name, image in images.items()},
                   per_class=per_class, num_examples=scalars[evaluators_lib.Count.name])
+
+
+class _EvalProgress:
+  """The progress lines of one evaluation: every `PROGRESS_SECONDS` while batches finish."""
+
+  def __init__(self, evaluation_: Evaluation, finished: progress.Finished,
+               num_examples: int | None):
+    self._evaluation, self._finished, self._num_examples = evaluation_, finished, num_examples
+    self.batch_size = None  # Of the batches, over all devices; set by the loop.
+    self._rate = None
+    self._last_line = (time.time(), 0)  # (time, batches) of the last line.
+
+  def tick(self) -> None:
+    done = self._finished.count()
+    if self.batch_size is None:
+      return
+    total = -(-self._num_examples // self.batch_size) if self._num_examples else None
+    self._rate = self._rate or progress.Rate(0, total or 0)
+    measured = self._rate.update(done)
+    if (measured is None or done == self._last_line[1]
+        or time.time() - self._last_line[0] < PROGRESS_SECONDS):
+      return
+    self._last_line = time.time(), done
+    rate, left = measured
+    of_total = (f'/{total} ({100 * done / total:.0f}%)' if total else '')
+    logging.info('Evaluating %s on %r: batch %d%s, %.1f examples/s%s', self._evaluation.name,
+                 self._evaluation.split, done, of_total, rate * self.batch_size,
+                 f', ETA {progress.duration(left)}' if total else '')

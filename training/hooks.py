@@ -2,7 +2,7 @@
 
 After every train step the loop calls each hook's `after_step(loop)` in order; hooks read the
 `Loop` (step, epoch, state) and add to it: the scalars of the step (`loop.metrics`, e.g. the
-eval results at an epoch end, which are saved with the checkpoint) and a reason to stop
+eval results at an epoch end, recorded into the checkpoint saved before them) and a reason to stop
 (`loop.stop`). What a hook offers other hooks it exposes as attributes (`TrainMetrics.epoch`,
 `EarlyStopping.ended_run`). `Hooks` holds them in order with the checkpoints: it saves every
 stateful hook's state (`state_dict`) in the checkpoint's progress item, restores it
@@ -17,6 +17,8 @@ import time
 from absl import logging
 from clu import metric_writers
 from clu import periodic_actions
+import jax
+import jax.numpy as jnp
 import optax
 
 from core import errors
@@ -25,6 +27,7 @@ from data_sources import base
 from training import checkpointing
 from training import evaluation
 from training import optimizers
+from training import progress
 from training import state as state_lib
 
 
@@ -65,9 +68,15 @@ class Hook:
   """A hook that does nothing; subclasses override what they need."""
   name = ''  # Key of its state in the checkpoint's progress item (stateful hooks only).
   ended_run = False  # Whether it ended the run before its last step, for good (not a signal).
+  # Whether it runs after the step's checkpoint is saved: the evaluations and what reads their
+  # results, so that a failed evaluation loses no training.
+  after_save = False
 
   def on_start(self, loop: Loop) -> None:
     """Called once before the first step (after a resume restored the hooks' state)."""
+
+  def on_end(self, loop: Loop) -> None:
+    """Called once when the loop ends, however it ends."""
 
   def after_step(self, loop: Loop) -> None:
     """Called after every train step."""
@@ -79,41 +88,55 @@ class Hook:
     del saved
 
 
-def duration(seconds: float) -> str:
-  """'1h02m', '3m05s' or '42s'."""
-  seconds = int(round(seconds))
-  if seconds >= 3600:
-    return f'{seconds // 3600}h{seconds % 3600 // 60:02d}m'
-  return f'{seconds // 60}m{seconds % 60:02d}s' if seconds >= 60 else f'{seconds}s'
+duration = progress.duration  # Where modes/predict.py's progress lines take it from.
 
 
 class Progress(Hook):
-  """A progress line every `every_seconds`: step, steps/s and a true ETA.
+  """A progress line every `every_seconds` while steps finish: the steps the device has
+  finished (not those dispatched, which run far ahead when steps are slow), steps/s and an ETA
+  from them.
 
   Hand-written rather than clu's `ReportProgress`, whose ETA is whole minutes (a run with 40 s
-  left reads 'ETA: 0m'). The rate is measured over the whole run since its first step, evals
-  included, so the ETA counts the evals still to come.
+  left reads 'ETA: 0m'). The rate is measured over the whole run since its first finished step,
+  evals included, so the ETA counts the evals still to come. The lines come from a background
+  thread (`progress.Ticker`), so they keep coming while the loop waits on the device; none while
+  no step finishes (an evaluation prints its own).
   """
 
-  def __init__(self, every_seconds: float = 10.0):
-    self._every = every_seconds
-    self._first = None  # (time, step) after the first step, once compiled.
-    self._last_report = 0.0
+  def __init__(self, every_seconds: float = 10.0, poll_seconds: float = 0.5):
+    self._every, self._poll = every_seconds, poll_seconds
+    self._finished = self._rate = self._ticker = None
+    self._shape = (0, 1)  # (num_steps, steps_per_epoch) of the loop.
+    self._last_line = (0.0, 0)  # (time, step) of the last line.
+
+  def on_start(self, loop):
+    self._shape = loop.num_steps, loop.steps_per_epoch
+    self._finished = progress.Finished(loop.step)
+    self._rate = progress.Rate(loop.step, loop.num_steps)
+    self._last_line = time.time(), loop.step
+    self._ticker = progress.Ticker(self._tick, self._poll).start()
 
   def after_step(self, loop):
-    now = time.time()
-    if self._first is None:
-      self._first = now, loop.step
-      self._last_report = now
+    # The state's own arrays are donated to the next step, so they cannot be watched: a copy of
+    # the step counter, computed after this step, is ready when the step is (no wait here).
+    self._finished.dispatched(loop.step, jnp.copy(loop.state.optimizer.step[...]))
+
+  def on_end(self, loop):
+    self._ticker.stop()
+
+  def _tick(self) -> None:
+    done = self._finished.count()
+    measured = self._rate.update(done)
+    num_steps, steps_per_epoch = self._shape
+    if (measured is None or done == self._last_line[1]
+        or (time.time() - self._last_line[0] < self._every and done < num_steps)):
       return
-    if now - self._last_report < self._every and not loop.last_step:
-      return
-    self._last_report = now
-    rate = (loop.step - self._first[1]) / max(now - self._first[0], 1e-9)
-    logging.info('step %d/%d (%.1f%%, epoch %d/%d): %.1f steps/s, ETA %s', loop.step,
-                 loop.num_steps, 100 * loop.step / loop.num_steps,
-                 min(loop.epoch + 1, loop.num_epochs), loop.num_epochs, rate,
-                 duration((loop.num_steps - loop.step) / max(rate, 1e-9)))
+    self._last_line = time.time(), done
+    rate, left = measured
+    logging.info('step %d/%d (%.1f%%, epoch %d/%d): %.1f steps/s, ETA %s', done, num_steps,
+                 100 * done / num_steps, min(done // steps_per_epoch + 1,
+                                             num_steps // steps_per_epoch),
+                 num_steps // steps_per_epoch, rate, progress.duration(left))
 
 
 class Profiler(Hook):
@@ -234,10 +257,14 @@ class Evaluate(Hook):
 
   # An eval that took longer than this is announced before it runs: nothing stays silent long.
   ANNOUNCE_SECONDS = 5.0
+  after_save = True
 
   def __init__(self, evaluation_: evaluation.Evaluation, batches, info: base.DatasetInfo,
-               writer: metric_writers.MetricWriter, train_metrics: TrainMetrics | None = None):
+               writer: metric_writers.MetricWriter, train_metrics: TrainMetrics | None = None,
+               num_examples: int | None = None):
+    """`num_examples`: the split's size, for the ETA of a long evaluation's progress lines."""
     self._evaluation, self._batches, self._info = evaluation_, batches, info
+    self._num_examples = num_examples
     self._writer, self._train_metrics = writer, train_metrics
     self._since = time.time()  # The last line's time.
     self._last_seconds = None  # How long the last eval took.
@@ -249,7 +276,8 @@ class Evaluate(Hook):
       logging.info('Evaluating %s on %r at step %d.', self._evaluation.name,
                    self._evaluation.split, loop.step)
     start = time.time()
-    result = self._evaluation.run(loop.state.eval_model(), self._batches, self._info)
+    result = self._evaluation.run(loop.state.eval_model(), self._batches, self._info,
+                                  self._num_examples)
     self._last_seconds = time.time() - start
     loop.metrics.update(result.scalars)
     self._writer.write_scalars(loop.step, result.scalars)
@@ -273,6 +301,7 @@ class EarlyStopping(Hook):
   with `min_delta` the two may differ (the best checkpoint is still the best).
   """
   name = 'early_stopping'
+  after_save = True
 
   def __init__(self, metric: str, maximize: bool, patience: int, min_delta: float):
     self._metric, self._sign = metric, 1 if maximize else -1
@@ -318,8 +347,10 @@ class StopOnSignal(Hook):
 
 
 class Checkpointing:
-  """Saves every `every_steps`, at every epoch end (with the step's metrics, by which the best
-  is kept), at the last step and when the run stops early; never a non-finite state."""
+  """Saves every `every_steps`, at every epoch end, at the last step and when the run stops
+  early; never a non-finite state. An epoch's checkpoint is saved before its evaluations, so
+  that a failed evaluation loses no training, then `record` adds the eval metrics (by which
+  Orbax keeps the best) and the state of the hooks that ran after the save."""
 
   def __init__(self, checkpoints: checkpointing.Checkpoints, every_steps: int,
                guard: NonFiniteGuard | None):
@@ -330,17 +361,25 @@ class Checkpointing:
       return
     if self._guard:
       self._guard.check_state(loop)
+    self._checkpoints.save(loop.step, loop.state, self._progress(loop, hooks))
+
+  def record(self, loop: Loop, hooks: 'Hooks') -> None:
+    """Adds the epoch's eval metrics and the hooks' state to the checkpoint saved at its end."""
+    self._checkpoints.record(loop.step, self._progress(loop, hooks), dict(loop.metrics))
+
+  @staticmethod
+  def _progress(loop: Loop, hooks: 'Hooks') -> dict:
     epoch, step_in_epoch = divmod(loop.step, loop.steps_per_epoch)
-    progress = {'epoch': epoch, 'step_in_epoch': step_in_epoch,
-                'steps_per_epoch': loop.steps_per_epoch, 'stopped_early': hooks.ended_run,
-                'hooks': hooks.state_dict()}
-    self._checkpoints.save(loop.step, loop.state, progress,
-                           dict(loop.metrics) if loop.end_of_epoch else None)
+    return {'epoch': epoch, 'step_in_epoch': step_in_epoch,
+            'steps_per_epoch': loop.steps_per_epoch, 'stopped_early': hooks.ended_run,
+            'hooks': hooks.state_dict()}
 
 
 class Hooks:
-  """The loop's hooks, in the order they run after each step, then the checkpoint save that
-  holds their state: saves and restores every stateful hook, and says whether a run is done."""
+  """The loop's hooks in order, around the checkpoint save that holds their state: those that
+  run before the save, the save, then those that run after it (`Hook.after_save`: the
+  evaluations and early stopping), whose results are recorded into an epoch's checkpoint.
+  Saves and restores every stateful hook, and says whether a run is done."""
 
   def __init__(self, hooks: list[Hook], checkpointing_: Checkpointing):
     self._hooks, self._checkpointing = hooks, checkpointing_
@@ -367,21 +406,44 @@ class Hooks:
     for hook in self._hooks:
       hook.on_start(loop)
 
+  def on_end(self, loop: Loop) -> None:
+    for hook in self._hooks:
+      hook.on_end(loop)
+
   def after_step(self, loop: Loop) -> None:
     for hook in self._hooks:
-      hook.after_step(loop)
+      if not hook.after_save:
+        hook.after_step(loop)
     self._checkpointing.after_step(loop, self)
+    for hook in self._hooks:
+      if hook.after_save:
+        hook.after_step(loop)
+    if loop.end_of_epoch:
+      self._checkpointing.record(loop, self)
 
 
-def run(loop: Loop, hooks: Hooks, batches, train_step, place) -> None:
-  """Trains on `batches` from `loop.step` until they end or a hook stops the run."""
+def run(loop: Loop, hooks: Hooks, batches, train_step, place, batch_size: int) -> None:
+  """Trains on `batches` (of `batch_size` examples over all devices) from `loop.step` until
+  they end or a hook stops the run; a step that does not fit in memory ends it with
+  `errors.OutOfMemory` naming config.batch_size."""
   hooks.on_start(loop)
-  if loop.stop:
-    return
-  for batch in batches:
-    train_step(loop.state, place(batch))
-    loop.step += 1
-    loop.metrics = {}
-    hooks.after_step(loop)
+  try:
     if loop.stop:
       return
+    for batch in batches:
+      train_step(loop.state, place(batch))
+      loop.step += 1
+      loop.metrics = {}
+      hooks.after_step(loop)
+      if loop.stop:
+        return
+  except jax.errors.JaxRuntimeError as error:
+    if not errors.OutOfMemory.caused(error):
+      raise
+    raise errors.OutOfMemory(
+        f'A training step at config.batch_size={batch_size} does not fit in memory '
+        f'({errors.OutOfMemory.reason(error)}): lower config.batch_size (or use '
+        'config.grad_accum_steps to keep the batch the update sees), then rerun to resume.',
+        key='batch_size', value=batch_size) from error
+  finally:
+    hooks.on_end(loop)

@@ -43,10 +43,12 @@ from training import optimizers
 from training import workdirs
 
 # Keys whose value is an integer >= 1, and >= 0.
-_COUNTS = ('batch_size', 'eval_batch_size', 'num_epochs', 'log_every_steps',
+_COUNTS = ('batch_size', 'num_epochs', 'log_every_steps',
            'shuffle_buffer_size', 'checkpoint_every_steps', 'max_checkpoints_to_keep',
            'grad_accum_steps')
 _NON_NEGATIVE = ('early_stopping_patience', 'profile_steps', 'precise_bn_batches')
+# config.eval_batch_size=None: this many training batches per eval step, at most the cap.
+EVAL_BATCHES_PER_STEP, EVAL_BATCH_CAP = 4, 1000
 _CHOICES = {'in_memory': input_pipeline.IN_MEMORY, 'input_backend': input_pipeline.INPUT_BACKENDS,
             'nonfinite': optimizers.NONFINITE, 'eval_tta': (None, *calibration.TTA_CHOICES),
             'temperature_scaling': (False, True), 'linear_probe': (False, True)}
@@ -160,7 +162,9 @@ def resolve(config: ml_collections.ConfigDict) -> Run:
       best=_best_metric(config.best_metric, evaluations),
       batch_size=config.batch_size, num_epochs=config.num_epochs, seed=config.seed,
       ema_decay=config.ema_decay, nonfinite=config.nonfinite,
-      eval_batch_size=config.eval_batch_size, eval_tta=config.eval_tta,
+      eval_batch_size=(config.eval_batch_size
+                       or min(EVAL_BATCHES_PER_STEP * config.batch_size, EVAL_BATCH_CAP)),
+      eval_tta=config.eval_tta,
       temperature_scaling=config.temperature_scaling,
       precise_bn_batches=config.precise_bn_batches,
       log_every_steps=config.log_every_steps,
@@ -195,6 +199,11 @@ def _check_values(config: ml_collections.ConfigDict) -> None:
     _require(_is_int(config[key]) and config[key] >= minimum, key, config[key],
              f'config.{key}={config[key]!r} is invalid: it must be an integer >= {minimum}'
              f'{" (0 = off)" if minimum == 0 else ""}.')
+  _require(config.eval_batch_size is None or (_is_int(config.eval_batch_size)
+                                              and config.eval_batch_size >= 1),
+           'eval_batch_size', config.eval_batch_size,
+           f'config.eval_batch_size={config.eval_batch_size!r} is invalid: it must be an '
+           'integer >= 1, or None (4 x batch_size, at most 1000).')
   for key, valid in _CHOICES.items():
     _require(config[key] in valid, key, config[key],
              f'Unknown {key} {config[key]!r}: config.{key} must be one of {list(valid)}.')
