@@ -98,8 +98,8 @@ def markdown(content: dict) -> str:
       f'| input size | {size}: {content["input"]["training_size"]} |',
       f"| output `logits` | float32, shape {content['output']['shape']}, divided by the "
       f"temperature {content['temperature']:.4g}; softmax gives the probabilities |",
-      f"| preprocessing | `{content['preprocessing']['config_preprocess']}`: inside the model, "
-      f"{content['preprocessing']['inside']} |",
+      f"| preprocessing | config.preprocess={content['preprocessing']['config_preprocess']!r}: "
+      f"inside the model, {content['preprocessing']['inside']} |",
       f"| classes ({len(content['classes'])}) | {', '.join(content['classes'])} |", '',
       '## Metrics', '', '| metric | value |', '| --- | --- |',
       *(f'| {name} | {value:.6g} |' for name, value in
