@@ -111,10 +111,11 @@ def _draw_shape(rng, name, size):
 
 
 def _draw_texture(rng, name, size):
-  """Two colours in a pattern of random period (4-12 px) and orientation, or blob noise."""
+  """Two colours in a pattern of random period and orientation, or blob noise. The period is
+  12-25% of the long side, so that a 32-px square model input still resolves it."""
   height, width = size
   foreground, background = _colours(rng)
-  period = rng.uniform(4, 12)
+  period = rng.uniform(0.12, 0.25) * max(height, width)
   angle = rng.uniform(0, np.pi)
   y, x = np.mgrid[:height, :width].astype(np.float32)
   u = (x * np.cos(angle) + y * np.sin(angle)) / period  # Rotated coordinates, in periods.
