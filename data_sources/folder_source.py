@@ -122,20 +122,34 @@ def warn_transparent(headers: list[ImageHeader]) -> None:
                     len(transparent), named(transparent))
 
 
+# EXIF orientation 1-8 as a transpose followed by flips (TIFF's definition): with no control
+# flow in the decoding graph, which costs tf.data more than the ops themselves.
+_TRANSPOSED = (False, False, False, False, True, True, True, True)
+_ROWS_FLIPPED = (False, False, True, True, False, False, True, True)
+_COLUMNS_FLIPPED = (False, True, True, False, False, True, True, False)
+
+
 def _oriented(image: tf.Tensor, orientation: tf.Tensor) -> tf.Tensor:
   """`image` turned as its EXIF `orientation` (1-8) says it is displayed."""
-  flip, transpose = tf.image.flip_left_right, tf.image.transpose
-  rot90 = tf.image.rot90  # Counter-clockwise.
-  return tf.switch_case(orientation - 1, [
-      lambda: image,
-      lambda: flip(image),
-      lambda: rot90(image, 2),
-      lambda: tf.image.flip_up_down(image),
-      lambda: transpose(image),
-      lambda: rot90(image, 3),  # Stored turned 90 degrees counter-clockwise.
-      lambda: rot90(flip(image), 3),  # Transverse (PIL's TRANSVERSE).
-      lambda: rot90(image, 1),
-  ])
+  index = orientation - 1
+  image = tf.transpose(image, tf.where(tf.gather(_TRANSPOSED, index), [1, 0, 2], [0, 1, 2]))
+  flipped = tf.stack([tf.gather(_ROWS_FLIPPED, index), tf.gather(_COLUMNS_FLIPPED, index)])
+  return tf.reverse(image, tf.boolean_mask([0, 1], flipped))
+
+
+def _stored_window(window: tf.Tensor, stored_size: tf.Tensor, orientation: tf.Tensor
+                   ) -> tf.Tensor:
+  """The window [top, left, height, width] of an image as displayed, in the pixels as stored:
+  `_oriented`'s flips undone (in the displayed size), then its transpose."""
+  index = orientation - 1
+  transposed = tf.gather(_TRANSPOSED, index)
+  displayed_height, displayed_width = tf.unstack(
+      tf.where(transposed, tf.reverse(stored_size, [0]), stored_size))
+  top, left, height, width = tf.unstack(window)
+  top = tf.where(tf.gather(_ROWS_FLIPPED, index), displayed_height - top - height, top)
+  left = tf.where(tf.gather(_COLUMNS_FLIPPED, index), displayed_width - left - width, left)
+  unflipped = tf.stack([top, left, height, width])
+  return tf.where(transposed, tf.gather(unflipped, [1, 0, 3, 2]), unflipped)
 
 
 def decode(path: tf.Tensor, channels: int, orientation: tf.Tensor | int = 1,
@@ -149,25 +163,6 @@ def decode(path: tf.Tensor, channels: int, orientation: tf.Tensor | int = 1,
   onto white. Then the EXIF `orientation` is applied.
   """
   return _decoded_data(tf.io.read_file(path), channels, orientation, alpha)
-
-
-def _stored_window(window: tf.Tensor, stored_size: tf.Tensor, orientation: tf.Tensor
-                   ) -> tf.Tensor:
-  """The window [top, left, height, width] of an image as displayed, in the pixels as stored
-  (`_oriented` turns the one into the other)."""
-  top, left, height, width = tf.unstack(window)
-  stored_height, stored_width = tf.unstack(stored_size)
-  bottom, right = stored_height - left - width, stored_width - top - height  # Turned a quarter.
-  return tf.switch_case(orientation - 1, [
-      lambda: window,
-      lambda: tf.stack([top, stored_width - left - width, height, width]),
-      lambda: tf.stack([stored_height - top - height, stored_width - left - width, height, width]),
-      lambda: tf.stack([stored_height - top - height, left, height, width]),
-      lambda: tf.stack([left, top, width, height]),
-      lambda: tf.stack([bottom, top, width, height]),
-      lambda: tf.stack([bottom, right, width, height]),
-      lambda: tf.stack([left, right, width, height]),
-  ])
 
 
 def decode_window(path: tf.Tensor, channels: int, window: tf.Tensor,
