@@ -1,7 +1,7 @@
 """The small-folder recipe (configs/images.py) on generated folders of several kinds and seeds.
 
     python -m benchmarks.small_folders --work=/tmp/small_folders [--kinds=shapes,textures,digits]
-        [--seeds=0,1,2] [--out=docs/small_folders] [--override=--config.model=cnn ...]
+        [--seeds=0,1,2] [--out=docs/small_folders_runs] [--override=--config.model=cnn ...]
 
 For each kind and seed, writes a folder of 1,000 images of 40-80 px with messy files
 (`tests/image_folders.make_kind_folder`) to `<work>/<kind><seed>/`, trains
@@ -33,7 +33,7 @@ flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds: of the generator and of the 
 flags.DEFINE_string('config', 'configs/images.py', 'The recipe.')
 flags.DEFINE_multi_string('override', [], 'Extra main.py flags, e.g. --config.model=cnn.')
 flags.DEFINE_string('label', 'recipe', 'Names this recipe in the table and the workdirs.')
-flags.DEFINE_string('out', 'docs/small_folders', 'Results: <out>.json and <out>.md.')
+flags.DEFINE_string('out', 'docs/small_folders_runs', 'Results: <out>.json and <out>.md.')
 flags.mark_flag_as_required('work')
 
 
