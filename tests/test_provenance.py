@@ -87,3 +87,19 @@ def test_git_state_of_a_checkout_and_of_a_plain_directory(tmp_path):
   assert len(state['commit']) == 40 and not state['dirty']
   (tmp_path / 'code.py').write_text('a = 2\n')
   assert provenance.git_state(str(tmp_path))['dirty']
+
+
+@pytest.mark.slow
+def test_training_records_its_provenance(root, tmp_path):
+  import train  # pylint: disable=g-import-not-at-top  (in-process training, slow tier only)
+  config = default.get_config()
+  config.update(dict(data_source='folder', dataset=root, eval_split='test', batch_size=3,
+                     eval_batch_size=3, num_epochs=1, preprocess='resize(16)'))
+  config.model_options.cnn.update(conv1_features=4, conv2_features=8, hidden_features=16)
+  workdir = str(tmp_path / 'workdir')
+  train.train_and_evaluate(run_spec.resolve(config), workdir)
+  record, = provenance.records(workdir)
+  assert record['data']['files_sha256'] == provenance.data_fingerprint(
+      run_spec.resolve(config).settings, _info(9))['files_sha256']
+  # The code's checkout (its commit may move on while the test runs, as others commit).
+  assert len(record['git']['commit']) == 40 and isinstance(record['git']['dirty'], bool)
