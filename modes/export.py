@@ -118,7 +118,12 @@ def export(run: run_spec.Run, workdir: str, export_format: str = 'saved_model',
     _check_fixed_size(classifier, export_format)
     path = os.path.join(directory, FILES[export_format])
     {'onnx': onnx, 'tflite': tflite, 'stablehlo': stablehlo}[export_format](classifier, path)
-  difference = check(classifier, export_format, path)
+  try:
+    difference = check(classifier, export_format, path)
+  except errors.DataError:
+    if os.path.isfile(path):
+      os.remove(path)  # A model that does not compute the JAX model's logits is not left behind.
+    raise
   any_size = export_format == 'saved_model'
   model_card.write(directory, workdir, export_format=export_format, model_path=path,
                    step=classifier.step, info=classifier.info, any_size=any_size,

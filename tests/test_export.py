@@ -193,6 +193,18 @@ def test_a_missing_runtime_is_one_line_naming_the_extra(workdir, monkeypatch):
   assert (error.value.flag, error.value.package) == ('export_format', 'jax2onnx')
 
 
+@pytest.mark.slow
+def test_a_model_the_converter_gets_wrong_is_refused_and_not_left_behind(tmp_path):
+  """jax2onnx writes ResNet-18's max pooling as a 4-D MaxPool that ONNX Runtime cannot run."""
+  requires_extras(*EXTRAS['onnx'])
+  run = _make_workdir(str(tmp_path), _config(str(tmp_path / 'unused'), model='resnet18',
+                                             image_size=32), (32, 32, 3))
+  with pytest.raises(errors.DataError) as error:
+    export.export(run, str(tmp_path), 'onnx')
+  assert error.value.export_format == 'onnx'
+  assert not os.path.exists(error.value.what)
+
+
 def test_fixed_size_formats_refuse_an_image_stage_that_changes_training_size_images(workdir):
   run, directory, _ = workdir
   flipping = preprocessing.Preprocessing(spec='flip', image_ops=(tf.image.flip_left_right,))
