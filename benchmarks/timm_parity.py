@@ -1,0 +1,139 @@
+"""Imported weights score in the app as in timm: a timm model trained briefly in PyTorch on a
+generated photo folder, saved as safetensors, evaluated by timm (its own eval transform) and by
+`main.py --mode=eval` (the model's pretrained preprocessing), on the same test images.
+
+    python -m benchmarks.timm_parity --work=/tmp/parity [--model=resnet18] [--epochs=2]
+        [--out=docs/timm_parity.json]
+
+The folder: `tests/image_folders.make_shapes_folder` (3 classes: where the bright region of a
+noisy image is; random colours) of 180-320 px, in PNG/JPEG/BMP/GIF, a third of them grayscale,
+no damaged files (timm's ImageFolder would stop at one); `--train_images` and `--test_images`
+per class. torchvision's ImageFolder is told to read the GIFs too, so both score every file.
+timm trains with its own train transform (`create_transform(..., is_training=True)`), AdamW at
+1e-3, batches of 32; the weights go to `<work>/<model>.safetensors`
+(`safetensors.torch.save_file(model.state_dict(), ...)`).
+Prints and writes (`--out`, JSON) both accuracies, the difference in points, the commands and
+the machine.
+"""
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tests'))
+import image_folders  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string('work', None, 'Where the folder, the weights and the app run go.')
+flags.DEFINE_string('model', 'resnet18', 'A timm model name that the app registers too.')
+flags.DEFINE_integer('epochs', 2, 'Epochs of training in PyTorch.')
+flags.DEFINE_integer('train_images', 130, 'Training images per class.')
+flags.DEFINE_integer('test_images', 70, 'Test images per class.')
+flags.DEFINE_string('out', None, 'A JSON file for the figures (optional).')
+flags.mark_flags_as_required(['work'])
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_folder(root: str) -> None:
+  """root/train and root/test: images of 180-320 px."""
+  image_folders.make_shapes_folder(root, {'train': FLAGS.train_images, 'test': FLAGS.test_images},
+                                   image_sizes=(180, 320), corrupt=False)
+
+
+def image_folder(root: str, transform):
+  """torchvision's ImageFolder of every file (its default extensions leave GIFs out)."""
+  import torchvision  # pylint: disable=g-import-not-at-top  (optional extra)
+  return torchvision.datasets.ImageFolder(root, transform, is_valid_file=lambda path: True)
+
+
+def train_and_save(root: str, weights: str):
+  """Trains the timm model on root/train; saves its state_dict; returns it in eval mode."""
+  import safetensors.torch  # pylint: disable=g-import-not-at-top  (optional extras)
+  import timm  # pylint: disable=g-import-not-at-top
+  import timm.data  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  classes = sorted(os.listdir(os.path.join(root, 'train')))
+  model = timm.create_model(FLAGS.model, pretrained=False, num_classes=len(classes))
+  config = timm.data.resolve_data_config({}, model=model)
+  images = image_folder(os.path.join(root, 'train'),
+                        timm.data.create_transform(**config, is_training=True))
+  loader = torch.utils.data.DataLoader(images, batch_size=32, shuffle=True, num_workers=2)
+  optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+  model.train()
+  for epoch in range(FLAGS.epochs):
+    started, total = time.time(), 0.0
+    for inputs, labels in loader:
+      loss = torch.nn.functional.cross_entropy(model(inputs), labels)
+      optimizer.zero_grad()
+      loss.backward()
+      optimizer.step()
+      total += loss.item() * len(labels)
+    print(f'timm epoch {epoch + 1}/{FLAGS.epochs}: loss {total / len(images):.4f} '
+          f'({time.time() - started:.0f} s)', flush=True)
+  model.eval()
+  safetensors.torch.save_file(model.state_dict(), weights)
+  return model, config
+
+
+def timm_accuracy(model, config, root: str) -> tuple[float, int]:
+  """timm's evaluation: its eval transform (resolve_data_config + create_transform)."""
+  import timm.data  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  images = image_folder(os.path.join(root, 'test'), timm.data.create_transform(**config))
+  correct = 0
+  with torch.no_grad():
+    for inputs, labels in torch.utils.data.DataLoader(images, batch_size=64):
+      correct += int((model(inputs).argmax(dim=1) == labels).sum())
+  return correct / len(images), len(images)
+
+
+def app_eval_command(root: str, weights: str, workdir: str) -> list[str]:
+  return [sys.executable, os.path.join(ROOT, 'main.py'), '--mode=eval',
+          f'--config={os.path.join(ROOT, "configs", "finetune.py")}', f'--workdir={workdir}',
+          '--config.data_source=folder', f'--config.dataset={root}',
+          '--config.eval_split=test', f'--config.model={FLAGS.model}',
+          f'--config.init_from={weights}']
+
+
+def app_accuracy(root: str, weights: str, workdir: str) -> float:
+  """`main.py --mode=eval` of the imported weights: the accuracy in its JSON report."""
+  subprocess.run(app_eval_command(root, weights, workdir), check=True)
+  reports = [name for name in os.listdir(workdir)
+             if name.startswith('eval_test_') and name.endswith('.json')]
+  with open(os.path.join(workdir, reports[0]), encoding='utf-8') as file:
+    return json.load(file)['metrics']['eval/accuracy']
+
+
+def main(argv):
+  del argv
+  root = os.path.join(FLAGS.work, 'photos')
+  weights = os.path.join(FLAGS.work, f'{FLAGS.model}.safetensors')
+  workdir = os.path.join(FLAGS.work, 'app_eval')
+  shutil.rmtree(FLAGS.work, ignore_errors=True)
+  make_folder(root)
+  model, config = train_and_save(root, weights)
+  timm_score, timm_count = timm_accuracy(model, config, root)
+  app_score = app_accuracy(root, weights, workdir)
+  figures = {
+      'model': FLAGS.model, 'epochs': FLAGS.epochs, 'train_images': FLAGS.train_images,
+      'test_images': FLAGS.test_images, 'timm_examples': timm_count, 'timm_data_config': {k: str(v) for k, v in config.items()},
+      'timm_accuracy': timm_score, 'app_accuracy': app_score,
+      'difference_points': round(100 * (app_score - timm_score), 3),
+      'app_command': ' '.join(app_eval_command(root, weights, workdir)),
+      'machine': f'{platform.processor() or platform.machine()}, {os.cpu_count()} cores'}
+  print(json.dumps(figures, indent=2))
+  if FLAGS.out:
+    with open(FLAGS.out, 'w', encoding='utf-8') as file:
+      json.dump(figures, file, indent=2)
+
+
+if __name__ == '__main__':
+  app.run(main)
