@@ -140,6 +140,18 @@ def test_mlflow_resumed_run_continues_the_same_run(tmp_path, monkeypatch):
   assert {'images', 'texts'} <= {artifact.path for artifact in artifacts}
 
 
+def test_mlflow_store_that_refuses_is_one_config_error(tmp_path, monkeypatch):
+  """MLflow 3 refuses a file: store (without MLFLOW_ALLOW_FILE_STORE=true): one line naming
+  config.loggers, before any metric."""
+  conftest.requires_extras('mlflow')
+  monkeypatch.setenv('MLFLOW_TRACKING_URI', f'file:{tmp_path / "store"}')
+  monkeypatch.delenv('MLFLOW_ALLOW_FILE_STORE', raising=False)
+  with pytest.raises(errors.ConfigError) as error:
+    loggers.create_writer('mlflow', str(tmp_path))
+  assert (error.value.key, error.value.value) == ('loggers', 'mlflow')
+  assert not os.path.exists(tmp_path / loggers.MLFLOW_RUN_ID_FILE)
+
+
 def _free_port() -> int:
   with socket.socket() as sock:
     sock.bind(('127.0.0.1', 0))

@@ -21,6 +21,7 @@ from clu import parameter_overview
 import jax
 import numpy as np
 
+from core import errors
 from core import registry
 from training import summaries
 
@@ -142,17 +143,26 @@ class MlflowWriter(_Writer):
   def __init__(self, workdir: str, experiment: str | None = None, run_name: str | None = None):
     import mlflow  # pylint: disable=g-import-not-at-top  (optional: imported when chosen)
     self._mlflow = mlflow
-    self._client = mlflow.MlflowClient()
     id_path = os.path.join(workdir, MLFLOW_RUN_ID_FILE)
     self._run_id = _read_id(id_path)
-    if self._run_id is None:
-      self._run_id = self._client.create_run(
-          self._experiment_id(experiment or os.environ.get('MLFLOW_EXPERIMENT_NAME')),
-          run_name=run_name or os.path.basename(os.path.abspath(workdir)),
-          tags={'workdir': os.path.abspath(workdir)}).info.run_id
-      _keep_id(id_path, self._run_id)
-    else:  # Resumed: a missing run (another tracking URI) fails here, naming its id.
-      self._client.update_run(self._run_id, status='RUNNING')
+    try:
+      self._client = mlflow.MlflowClient()
+      if self._run_id is None:
+        self._run_id = self._client.create_run(
+            self._experiment_id(experiment or os.environ.get('MLFLOW_EXPERIMENT_NAME')),
+            run_name=run_name or os.path.basename(os.path.abspath(workdir)),
+            tags={'workdir': os.path.abspath(workdir)}).info.run_id
+        _keep_id(id_path, self._run_id)
+      else:  # Resumed: a missing run (another tracking URI) fails here, naming its id.
+        self._client.update_run(self._run_id, status='RUNNING')
+    except mlflow.MlflowException as error:
+      # The tracking store refused (MLflow 3 refuses a file: store unless
+      # MLFLOW_ALLOW_FILE_STORE=true; a server that is down; a resumed run's id it lacks).
+      reason = str(error).split('. ')[0]
+      raise errors.ConfigError(
+          f'MLflow cannot log to $MLFLOW_TRACKING_URI={mlflow.get_tracking_uri()!r}: {reason}. '
+          'Point it at a tracking server or a database (sqlite:///path/mlflow.db), or drop '
+          'mlflow from config.loggers.', key='loggers', value='mlflow') from None
 
   def _experiment_id(self, name: str | None) -> str:
     if name is None:
