@@ -47,7 +47,7 @@ def evaluate_checkpoint(run: run_spec.Run, workdir: str,
   jax.set_mesh(mesh)  # As in training: the model is replicated, eval batches are sharded.
   info = modes.dataset_info(run, workdir)
   model, step = modes.load_model(run, workdir, info, checkpoint)
-  temperature = calibration.saved_temperature(workdir) if run.temperature_scaling else 1.0
+  temperature = calibration.saved_temperature(workdir, run.temperature_scaling)
   model = calibration.scored(model, temperature, run.eval_tta)
   configured = run.evaluation('eval')
   scored = evaluation.Evaluation(
@@ -62,7 +62,7 @@ def evaluate_checkpoint(run: run_spec.Run, workdir: str,
   batches = input_pipeline.open_eval_batches(
       data, run.input, scored.split, num_examples, parallel.round_up(run.eval_batch_size, mesh),
       scored.preprocess, lambda batch: parallel.shard(batch, mesh))
-  result = scored.run(model, batches, info)
+  result = scored.run(model, batches, info, num_examples)
   if jax.process_index() == 0:
     writer = metric_writers.SummaryWriter(os.path.join(workdir, EVAL_DIR))
     writer.write_scalars(step, result.scalars)

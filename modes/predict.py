@@ -134,7 +134,7 @@ def predict(run: run_spec.Run, workdir: str, inputs: str | None, checkpoint: str
     raise errors.FlagError(f'--tta={tta!r} is invalid: use one of {calibration.TTA_CHOICES} or '
                            'leave it unset.', flag='tta', value=tta)
   model, step = modes.load_model(run, workdir, info, checkpoint)
-  temperature = calibration.saved_temperature(workdir) if run.temperature_scaling else 1.0
+  temperature = calibration.saved_temperature(workdir, run.temperature_scaling)
   model = calibration.scored(model, temperature, tta)
   headers, skipped = folder_source.read_headers(find_inputs(inputs))
   if not headers:

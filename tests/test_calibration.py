@@ -44,6 +44,7 @@ def test_the_fitted_temperature_is_the_minimum_of_the_nll(tmp_path):
   assert calibration.saved_temperature(str(tmp_path)) == 1.0  # None fitted yet.
   path = calibration.save_temperature(str(tmp_path), fit, split='test', step=7)
   assert calibration.saved_temperature(str(tmp_path)) == fit.temperature
+  assert calibration.saved_temperature(str(tmp_path), applied=False) == 1.0  # Turned off.
   with open(path, encoding='utf-8') as file:
     assert json.load(file)['step'] == 7
 

@@ -49,7 +49,8 @@ SLOW_MODELS = ('resnet18', 'resnet34', 'resnet50', 'vit_small_patch16_224',
 def _config(root: str, model: str = 'cnn', image_size: int = SIZE):
   config = default.get_config()
   config.update(dict(data_source='folder', dataset=root, eval_split='test', batch_size=4,
-                     eval_batch_size=4, model=model, preprocess=f'resize({image_size})'))
+                     eval_batch_size=4, model=model, preprocess=f'resize({image_size})',
+                     temperature_scaling=True))  # `_make_workdir` writes a fitted temperature.
   config.model_options.cnn.update(conv1_features=4, conv2_features=8, hidden_features=16)
   return config
 

@@ -26,10 +26,11 @@ _MAX_ITERATIONS = 100  # L-BFGS on one parameter converges in a few; a bound for
 _TOLERANCE = 1e-6  # On |d NLL / d log T|.
 
 
-def saved_temperature(workdir: str) -> float:
-  """The temperature fitted for `workdir`'s model; 1.0 (the logits as they are) when none was."""
+def saved_temperature(workdir: str, applied: bool = True) -> float:
+  """The temperature fitted for `workdir`'s model; 1.0 (the logits as they are) when none was,
+  or when not `applied` (config.temperature_scaling turned off for eval, predict or export)."""
   path = os.path.join(workdir, TEMPERATURE_FILE)
-  if not os.path.exists(path):
+  if not applied or not os.path.exists(path):
     return 1.0
   with open(path, encoding='utf-8') as file:
     return float(json.load(file)['temperature'])
