@@ -8,10 +8,12 @@ convolution, dense, batch-norm, dropout and pooling layers to build from, see `k
 your config file imports) with the decorator. See README.md.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 import dataclasses
 import functools
 import math
+import re
+from typing import NamedTuple
 
 from flax import nnx
 import jax
@@ -24,6 +26,30 @@ import kernels
 MODELS = registry.Registry('model', key='model', app_args=2, package='backbones')
 # He et al.'s initialisation for convolutions followed by ReLU.
 _HE_NORMAL = nnx.initializers.variance_scaling(2.0, 'fan_out', 'normal')
+
+
+class LayerGroups(NamedTuple):
+  """How a model's parameters form layers from input to output, as timm's `group_matcher`
+  says for layer-wise learning-rate decay: regular expressions searched in parameter paths. A
+  model declares them with `@MODELS.register(name, layers=LayerGroups(...))`."""
+  stem: str  # Before the first block: layer 0.
+  blocks: str  # A block; the numbers its groups capture order the blocks: layers 1..N.
+  head: str  # The classifier (config.linear_probe trains it alone); it and the rest: N + 1.
+
+
+def layer_numbers(names: Iterable[str], groups: LayerGroups) -> tuple[dict[str, int], int]:
+  """{parameter path: its layer} and the number of the last layer (the head's)."""
+  names = list(names)
+  blocks = {}
+  for name in names:
+    if match := re.search(groups.blocks, name):
+      # A group that did not take part (a stage's downsampling before its blocks) sorts first.
+      blocks[name] = tuple(-1 if number is None else int(number) for number in match.groups())
+  order = {key: index + 1 for index, key in enumerate(sorted(set(blocks.values())))}
+  last = len(order) + 1
+  return {name: (0 if name not in blocks and re.search(groups.stem, name)
+                 else order[blocks[name]] if name in blocks else last)
+          for name in names}, last
 
 
 @MODELS.register('cnn')

@@ -10,7 +10,6 @@ from backbones import common
 from backbones import weights
 import kernels
 import models
-from training import optimizers
 
 _BLOCK = r'stages\.\d+\.blocks\.\d+'
 # timm's keys -> this module's paths.
@@ -104,7 +103,7 @@ class ConvNeXt(nnx.Module):
 
 # Layers for layer-wise decay and linear probing, as timm's ConvNeXt.group_matcher (fine): a
 # stage's downsampling comes before its blocks.
-LAYERS = optimizers.LayerGroups(stem=r'^stem_', head=r'head\.',
+LAYERS = models.LayerGroups(stem=r'^stem_', head=r'head\.',
                                 blocks=r'^stages\.(\d+)\.(?:downsample_|blocks\.(\d+)\.)')
 
 

@@ -10,7 +10,6 @@ from backbones import common
 from backbones import weights
 import kernels
 import models
-from training import optimizers
 
 # Each stage: (blocks, kernel size, stride of its first block, expansion ratio, out features);
 # timm's arch_def of efficientnet_b0 (ds_r1_k3_s1_e1_c16, ir_r2_k3_s2_e6_c24, ...).
@@ -90,7 +89,7 @@ class MBConv(nnx.Module):
 
 
 # Layers for layer-wise decay and linear probing, as timm's EfficientNet.group_matcher.
-LAYERS = optimizers.LayerGroups(stem=r'^(conv_stem|bn1)\.', blocks=r'^blocks\.(\d+)\.(\d+)\.',
+LAYERS = models.LayerGroups(stem=r'^(conv_stem|bn1)\.', blocks=r'^blocks\.(\d+)\.(\d+)\.',
                                 head=r'classifier\.')
 
 

@@ -8,7 +8,6 @@ from backbones import common
 from backbones import weights
 import kernels
 import models
-from training import optimizers
 
 # torch keys (timm's and torchvision's are the same) -> this module's paths; attribute names
 # mirror torch's, so the map mostly says which transform each kind of layer needs.
@@ -127,7 +126,7 @@ _A1_IN1K = dict(crop_pct=0.95, interpolation='bicubic', mean=common.IMAGENET_MEA
 
 
 # Layers for layer-wise decay and linear probing, as timm's ResNet.group_matcher (fine).
-LAYERS = optimizers.LayerGroups(stem=r'^(conv1|bn1)\.', blocks=r'^layer(\d+)\.(\d+)\.',
+LAYERS = models.LayerGroups(stem=r'^(conv1|bn1)\.', blocks=r'^layer(\d+)\.(\d+)\.',
                                 head=r'fc\.')
 
 

@@ -10,7 +10,6 @@ from backbones import common
 from backbones import weights
 import kernels
 import models
-from training import optimizers
 
 # timm's keys -> this module's paths (its attribute names are timm's).
 KEY_MAP = (
@@ -114,7 +113,7 @@ _AUGREG = dict(crop_pct=0.9, interpolation='bicubic', mean=common.INCEPTION_MEAN
 
 
 # Layers for layer-wise decay and linear probing, as timm's VisionTransformer.group_matcher.
-LAYERS = optimizers.LayerGroups(stem=r'^(cls_token|pos_embed|patch_embed)',
+LAYERS = models.LayerGroups(stem=r'^(cls_token|pos_embed|patch_embed)',
                                 blocks=r'^blocks\.(\d+)\.', head=r'head\.')
 
 

@@ -12,7 +12,7 @@ options (`config.schedule_options.<name>`). Any schedule can start with a linear
 Around the optimizer (`Optimization`, resolved from the config by `training/spec.py`):
 gradient clipping (`grad_clip_norm`), frozen parameters and learning-rate multipliers by
 parameter path (`freeze`, `lr_multipliers`, and layer-wise decay `layer_decay` for models that
-declare their `LayerGroups`, through `optax.multi_transform`), skipping non-finite updates
+declare their `models.LayerGroups`, through `optax.multi_transform`), skipping non-finite updates
 (`nonfinite='skip'`) and gradient accumulation (`grad_accum_steps`).
 """
 
@@ -20,12 +20,12 @@ from collections.abc import Callable, Iterable
 import dataclasses
 import inspect
 import re
-from typing import NamedTuple
 
 import jax
 import optax
 
 from core import registry
+import models
 
 
 def _optax_optimizer(name: str) -> Callable | None:
@@ -120,30 +120,6 @@ def step(learning_rate: float, num_updates: int, *, boundaries: tuple[float, ...
       learning_rate, {int(boundary * num_updates): factor for boundary in boundaries})
 
 
-class LayerGroups(NamedTuple):
-  """How a model's parameters form layers from input to output, as timm's `group_matcher`
-  says for layer-wise learning-rate decay: regular expressions searched in parameter paths. A
-  model declares them with `@MODELS.register(name, layers=LayerGroups(...))`."""
-  stem: str  # Before the first block: layer 0.
-  blocks: str  # A block; the numbers its groups capture order the blocks: layers 1..N.
-  head: str  # The classifier (config.linear_probe trains it alone); it and the rest: N + 1.
-
-
-def layer_numbers(names: Iterable[str], groups: LayerGroups) -> tuple[dict[str, int], int]:
-  """{parameter path: its layer} and the number of the last layer (the head's)."""
-  names = list(names)
-  blocks = {}
-  for name in names:
-    if match := re.search(groups.blocks, name):
-      # A group that did not take part (a stage's downsampling before its blocks) sorts first.
-      blocks[name] = tuple(-1 if number is None else int(number) for number in match.groups())
-  order = {key: index + 1 for index, key in enumerate(sorted(set(blocks.values())))}
-  last = len(order) + 1
-  return {name: (0 if name not in blocks and re.search(groups.stem, name)
-                 else order[blocks[name]] if name in blocks else last)
-          for name in names}, last
-
-
 def path_name(path) -> str:
   """'linear2.kernel' for the path of a parameter in an `nnx.State` (its `.value` dropped)."""
   return jax.tree_util.keystr(path, simple=True, separator='.').removesuffix('.value')
@@ -165,7 +141,7 @@ class Optimization:
   # Layer-wise decay: the learning rate of layer i of a model of layers 0..L is multiplied by
   # layer_decay ** (L - i) (BEiT, timm's `--layer-decay`); 1 = off. Needs `layer_groups`.
   layer_decay: float = 1.0
-  layer_groups: LayerGroups | None = None  # The model's.
+  layer_groups: models.LayerGroups | None = None  # The model's.
   nonfinite: str = 'halt'  # 'skip': updates with NaN/Inf gradients are skipped.
 
   def learning_rate_schedule(self, steps_per_epoch: int) -> optax.Schedule:
@@ -194,7 +170,7 @@ class Optimization:
     matching `lr_multipliers` factor (paths are dotted, such as 'linear2.kernel'; patterns are
     regular expressions searched in them) times its layer's decay."""
     names = list(names)
-    layers, last = ((layer_numbers(names, self.layer_groups)) if self.layer_decay != 1.0
+    layers, last = (models.layer_numbers(names, self.layer_groups) if self.layer_decay != 1.0
                     else ({}, 0))
     factors = {}
     for name in names:
