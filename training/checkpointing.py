@@ -13,6 +13,7 @@ mid-save, leaves nothing that the next start would pick up.
 """
 
 import contextlib
+import datetime
 import errno
 import glob
 import json
@@ -23,6 +24,7 @@ import shutil
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 from absl import logging
 from flax import nnx
@@ -215,6 +217,13 @@ def _flat_variables(model: nnx.Module) -> list[tuple[str, nnx.Variable]]:
   return list(_flat(state, is_leaf=lambda x: isinstance(x, nnx.Variable)).items())
 
 
+class _PolicyInfo(NamedTuple):
+  """A saved step as Orbax's preservation policies read it (`PolicyCheckpointInfo`)."""
+  step: int
+  metrics: dict | None
+  time: datetime.datetime
+
+
 class Checkpoints:
   """The checkpoints of one workdir, through an `ocp.CheckpointManager`."""
 
@@ -231,12 +240,13 @@ class Checkpoints:
     if best_metric:
       policies.append(ocp.checkpoint_managers.BestN(get_metric_fn=score, n=1,
                                                     keep_checkpoints_without_metrics=False))
+    self._policy = ocp.checkpoint_managers.AnyPreservationPolicy(policies)
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
             create=True, enable_async_checkpointing=False, cleanup_tmp_directories=True,
             best_fn=score if best_metric else None, best_mode='max',
-            preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies)),
+            preservation_policy=self._policy),
         # Named handlers let a fresh process read the metadata of existing checkpoints.
         item_handlers={'state': ocp.StandardCheckpointHandler(),
                        'progress': ocp.JsonCheckpointHandler()})
@@ -323,6 +333,19 @@ class Checkpoints:
           json.dump(value, file)
         os.replace(f'{path}.tmp', path)
     self._manager.reload()
+    self._remove_unpreserved()
+
+  def _remove_unpreserved(self) -> None:
+    """Deletes the steps that the preservation policy no longer keeps now that a step's
+    metrics are known (Orbax applies it at a save only, when the new step had none yet: an
+    earlier best would otherwise stay until the next save, or for good after the last)."""
+    checkpoints = [_PolicyInfo(step, self._manager.metrics(step), datetime.datetime.now())
+                   for step in self._manager.all_steps()]
+    kept = self._policy.should_preserve(
+        checkpoints, context=ocp.checkpoint_managers.PreservationContext())
+    for checkpoint, keep in zip(checkpoints, kept):
+      if not keep:
+        self._manager.delete(checkpoint.step)
 
   def _remove_partial_saves(self) -> None:
     """Deletes what a failed save left: its temporary directory, which holds the lost space."""
