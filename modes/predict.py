@@ -36,7 +36,7 @@ from core import errors
 from data_sources import folder_source
 import modes
 from training import calibration
-from training import hooks
+from training import progress
 from training import run_spec
 
 PREDICTIONS_FILE = 'predictions.csv'
@@ -98,22 +98,21 @@ class _Progress:
 
   def __init__(self, total: int, every_seconds: float):
     self._total, self._every = total, every_seconds
-    self._first = None  # (time, images done) after the first batch.
-    self._last_report = 0.0
+    self._rate = progress.Rate(0, total)
+    self._last_report = None
 
   def update(self, done: int) -> None:
+    measured = self._rate.update(done)
     now = time.monotonic()
-    if self._first is None:
-      self._first = now, done
+    if measured is None:  # The first batch: the clock starts.
       self._last_report = now
       return
     if now - self._last_report < self._every or done >= self._total:
       return
     self._last_report = now
-    rate = (done - self._first[1]) / max(now - self._first[0], 1e-9)
+    rate, left = measured
     logging.info('predicted %d/%d images (%.1f%%): %.1f images/s, ETA %s', done, self._total,
-                 100 * done / self._total, rate,
-                 hooks.duration((self._total - done) / max(rate, 1e-9)))
+                 100 * done / self._total, rate, progress.duration(left))
 
 
 def predict(run: run_spec.Run, workdir: str, inputs: str | None, checkpoint: str = 'latest',
@@ -171,11 +170,11 @@ def predict(run: run_spec.Run, workdir: str, inputs: str | None, checkpoint: str
              .map(lambda batch: {**batch, 'image': preprocess.eval_batch(batch['image'])})
              .prefetch(1))
   paths, probabilities = [], []
-  progress = _Progress(len(headers), PROGRESS_SECONDS)
+  shown = _Progress(len(headers), PROGRESS_SECONDS)
   for batch in batches.as_numpy_iterator():
     paths += [path.decode() for path in batch['path']]
     probabilities.append(np.asarray(_probabilities(model, batch['image'])))
-    progress.update(len(paths))
+    shown.update(len(paths))
   decoded = set(paths)
   folder_source.warn_skipped(skipped + [header.path for header in headers
                                         if header.path not in decoded])

@@ -88,9 +88,6 @@ class Hook:
     del saved
 
 
-duration = progress.duration  # Where modes/predict.py's progress lines take it from.
-
-
 class Progress(Hook):
   """A progress line every `every_seconds` while steps finish: the steps the device has
   finished (not those dispatched, which run far ahead when steps are slow), steps/s and an ETA
