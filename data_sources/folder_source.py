@@ -14,7 +14,9 @@ Opening the folder reads every file's header, not its pixels (PIL reads the form
 mode and orientation from the first bytes, checks the file's structure, and a JPEG's end
 marker), so the sizes and channels are known before anything is decoded, and files that are not
 readable images, truncated ones included, are skipped with one warning naming them, instead of
-failing the decoder mid-epoch. Within a split, files are ordered by a hash of their path:
+failing the decoder mid-epoch. What the headers say is kept in an index (`FolderIndex`), so a
+folder opened again reads only the headers of the files that changed. Within a split, files are
+ordered by a hash of their path:
 stable across runs and machines, and mixed across classes, so that a slice such as
 'train[:90%]' holds every class (TFDS orders its examples the same way).
 
@@ -24,10 +26,13 @@ and needs the channel count given up front.
 """
 
 import collections
+import collections.abc
 import concurrent.futures
 import dataclasses
 import hashlib
+import json
 import os
+import tempfile
 import time
 
 from absl import logging
@@ -38,6 +43,7 @@ from core import errors
 import data_sources
 from data_sources import base
 import preprocessing
+from training import progress
 
 FORMATS = ('JPEG', 'PNG', 'BMP', 'GIF')  # What tf.io.decode_image reads (PIL's format names).
 _GRAY_MODES = ('1', 'L', 'LA', 'I', 'I;16', 'I;16B', 'I;16L', 'F')
@@ -47,6 +53,7 @@ _EXIF_ORIENTATION = 0x0112
 _JPEG_END = b'\xff\xd9'  # A JPEG's last marker (EOI): missing from a truncated file.
 _SCAN_THREADS = 8  # Header reads wait on the disk more than on the CPU.
 _NAMED_IN_WARNING = 5  # Files named in a warning.
+_PROGRESS_SECONDS = 5  # Between progress lines while headers are read (none for a short scan).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +100,25 @@ def _gray_palette(image: Image.Image) -> bool:
 
 
 def read_headers(paths: list[str]) -> tuple[list[ImageHeader], list[str]]:
-  """The headers of the readable images among `paths` (in order), and the other paths."""
+  """The headers of the readable images among `paths` (in order), and the other paths.
+
+  A scan that outlasts `_PROGRESS_SECONDS` logs a progress line at that interval: the files read,
+  files/s and the time left.
+  """
   start = time.time()
-  with concurrent.futures.ThreadPoolExecutor(_SCAN_THREADS) as pool:
-    headers = list(pool.map(read_header, paths))
+  headers = []
+  rate = progress.Rate(0, len(paths))
+
+  def tick() -> None:
+    if measured := rate.update(done := len(headers)):
+      logging.info('Reading image headers: %d/%d files (%.1f%%), %.0f files/s, ETA %s.', done,
+                   len(paths), 100 * done / len(paths), measured[0],
+                   progress.duration(measured[1]))
+
+  with (concurrent.futures.ThreadPoolExecutor(_SCAN_THREADS) as pool,
+        progress.Ticker(tick, _PROGRESS_SECONDS)):
+    for header in pool.map(read_header, paths):  # In order, each as soon as it is read.
+      headers.append(header)
   logging.info('Read the headers of %d files in %.1fs.', len(paths), time.time() - start)
   return ([header for header in headers if header is not None],
           [path for path, header in zip(paths, headers) if header is None])
@@ -120,6 +142,120 @@ def warn_transparent(headers: list[ImageHeader]) -> None:
   if transparent := [header.path for header in headers if header.alpha]:
     logging.warning('%d images have transparency, composited onto a white background: %s.',
                     len(transparent), named(transparent))
+
+
+# The index of a folder: what each file's header said, with the file's size, mtime and ctime when
+# it was read. The next open lists the folder with one `stat` per file (no read) and reads again
+# only the headers of files that are new or whose size, mtime or ctime changed, so it detects a
+# file added, removed, renamed, rewritten in place or replaced (mv, cp, an editor's save); mtime
+# and ctime change with any write, and ctime also when a tool restores the mtime (cp -p, rsync,
+# touch -r). Directory mtimes alone would be cheaper, but miss files rewritten in place. It cannot
+# detect a change that keeps a file's size, mtime and ctime: bytes changed below the file system
+# (a disk error, a raw block edit), or a same-size rewrite within one tick of the file system's
+# clock (a few ms on Linux; 2 s on FAT). The labels and class names are not indexed: they are the
+# folder names, which the listing reads anyway.
+INDEX_FILE = '.image_index.json'  # Hidden: the scan, predict and provenance's fingerprint skip it.
+# Of the file's layout and of what `read_header` records and rejects: change either and bump it,
+# so that older indexes are rebuilt rather than misread.
+INDEX_VERSION = 1
+_APP = 'flax-image-classification'  # The folder of the user's cache dir for indexes.
+_Stat = tuple[int, int, int]  # (size, mtime, ctime), ns.
+_Row = tuple[int, int, bool, int, bool] | None  # An ImageHeader's fields; None: not readable.
+
+
+def index_path(root: str) -> str:
+  """Where the index of the image folder `root` is kept.
+
+  In `root`, as a hidden file, when `root` is writable: the index then serves every run, workdir
+  and user of the folder, and moves with it (its paths are relative). Otherwise (a shared
+  read-only dataset) in the user's cache dir ($XDG_CACHE_HOME, or ~/.cache), named by the
+  folder's real path: not in a run's workdir, where a run with another workdir would not find it.
+  """
+  if _writable(root):
+    return os.path.join(root, INDEX_FILE)
+  cache = os.environ.get('XDG_CACHE_HOME') or os.path.join(os.path.expanduser('~'), '.cache')
+  key = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:32]
+  return os.path.join(cache, _APP, 'image_index', f'{key}.json')
+
+
+def _writable(folder: str) -> bool:
+  return os.access(folder, os.W_OK)
+
+
+def indexed_headers(root: str, listed: list[tuple[str, _Stat | None]]
+                    ) -> tuple[list[ImageHeader], list[str]]:
+  """`read_headers` of the `listed` files under `root` (paths with their `_listed_files` stat),
+  reading only the files that the index of `root` does not hold as they are now; the index is
+  then saved with what was read, if anything changed."""
+  path = index_path(root)
+  indexed = _load_index(path)
+  prefix = os.path.join(root, '')
+  known = {file: entry for file, stat in listed
+           if (entry := indexed.get(file[len(prefix):])) and entry[0] == stat}
+  headers, _ = read_headers([file for file, _ in listed if file not in known])
+  found = {header.path: header for header in headers}
+  rows = {file[len(prefix):]: known.get(file) or (stat, _row(found.get(file)))
+          for file, stat in listed if stat is not None}
+  if rows != indexed:
+    _save_index(path, rows)
+  found.update((file, ImageHeader(file, row[:2], *row[2:]))
+               for file, (_, row) in known.items() if row is not None)
+  return ([found[file] for file, _ in listed if file in found],
+          [file for file, _ in listed if file not in found])
+
+
+def _row(header: ImageHeader | None) -> _Row:
+  return header and (*header.size, header.gray, header.orientation, header.alpha)
+
+
+def _load_index(path: str) -> dict[str, tuple[_Stat, _Row]]:
+  """The entries of the index at `path`, by path relative to the folder; {} if there is none, or
+  it is of another version, or damaged (then with one warning: it is rebuilt)."""
+  if not os.path.exists(path):
+    return {}
+  try:
+    with open(path, encoding='utf-8') as file:
+      index = json.load(file)
+    if index.get('version') != INDEX_VERSION:
+      logging.info('The image index %s is of version %s, not %d: rebuilding it.', path,
+                   index.get('version'), INDEX_VERSION)
+      return {}
+    return {name: (_stat(stat), _loaded_row(row)) for name, (stat, row) in index['files'].items()}
+  except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
+    logging.warning('Ignoring the damaged image index %s (%s: %s); rebuilding it: every header '
+                    'is read again.', path, type(error).__name__, error)
+    return {}
+
+
+def _stat(stat: list) -> _Stat:
+  size, mtime, ctime = (int(value) for value in stat)
+  return size, mtime, ctime
+
+
+def _loaded_row(row: list | None) -> _Row:
+  if row is None:
+    return None
+  height, width, gray, orientation, alpha = row
+  return int(height), int(width), bool(gray), int(orientation), bool(alpha)
+
+
+def _save_index(path: str, entries: dict[str, tuple[_Stat, _Row]]) -> None:
+  """Writes the index atomically: to a unique temporary file beside it, then renamed over it, so
+  that a reader, or another process opening the folder at the same time, sees a whole index; the
+  worst a crash can leave is a damaged one, which is rebuilt. Failing to write it only warns."""
+  temporary = None
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with tempfile.NamedTemporaryFile('w', encoding='utf-8', dir=os.path.dirname(path),
+                                     prefix=INDEX_FILE, suffix='.tmp', delete=False) as file:
+      temporary = file.name  # Hidden too (INDEX_FILE's leading dot).
+      json.dump({'version': INDEX_VERSION, 'files': entries}, file, separators=(',', ':'))
+    os.replace(temporary, path)
+  except OSError as error:
+    logging.warning('Could not save the image index %s (%s): the next open reads every header '
+                    'again.', path, error)
+    if temporary and os.path.exists(temporary):
+      os.remove(temporary)
 
 
 # EXIF orientation 1-8 as a transpose followed by flips (TIFF's definition): with no control
@@ -205,13 +341,46 @@ def _visible_entries(folder: str) -> list[str]:
   return sorted(entry for entry in os.listdir(folder) if not entry.startswith('.'))
 
 
+def _visible_files(folder: str) -> collections.abc.Iterator[os.DirEntry]:
+  """Every visible file under `folder`, recursively, in `os.walk`'s order: a folder's files
+  sorted by name, then each subfolder's, sorted; hidden entries are skipped, and, as `os.walk`
+  does, folders that cannot be listed and links to folders are not entered."""
+  try:
+    with os.scandir(folder) as scan:
+      entries = sorted((entry for entry in scan if not entry.name.startswith('.')),
+                       key=lambda entry: entry.name)
+  except OSError:
+    return
+  subfolders = [entry for entry in entries if _is_folder(entry)]
+  yield from (entry for entry in entries if not _is_folder(entry))
+  for subfolder in subfolders:
+    if not subfolder.is_symlink():
+      yield from _visible_files(subfolder.path)
+
+
+def _is_folder(entry: os.DirEntry) -> bool:
+  try:
+    return entry.is_dir()
+  except OSError:
+    return False
+
+
 def find_files(folder: str) -> list[str]:
   """Every visible file under `folder`, recursively, sorted; hidden folders are not entered."""
-  found = []
-  for parent, subfolders, files in os.walk(folder):
-    subfolders[:] = sorted(name for name in subfolders if not name.startswith('.'))
-    found += [os.path.join(parent, name) for name in sorted(files) if not name.startswith('.')]
-  return found
+  return [entry.path for entry in _visible_files(folder)]
+
+
+def _listed_files(folder: str) -> list[tuple[str, tuple[int, int, int]]]:
+  """`find_files(folder)`, each with its (size, mtime, ctime) in ns: one `stat` per file, no
+  read."""
+  listed = []
+  for entry in _visible_files(folder):
+    try:
+      stat = entry.stat()
+      listed.append((entry.path, (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)))
+    except OSError:  # A broken link: never indexed, its header is read (and fails) each time.
+      listed.append((entry.path, None))
+  return listed
 
 
 class ImageFilesSource(base.RangeSource):
@@ -310,10 +479,10 @@ class FolderSource(ImageFilesSource):
         raise errors.DataError(f'Split folder {os.path.join(root, split)!r} has no class '
                                f'folders: {layout}.', what=os.path.join(root, split))
     class_names = sorted({name for names in class_folders.values() for name in names})
-    paths = {(split, name): find_files(os.path.join(root, split, name))
-             for split, names in class_folders.items() for name in names}
+    listed = {(split, name): _listed_files(os.path.join(root, split, name))
+              for split, names in class_folders.items() for name in names}
     logging.info('Image folder %s: splits %s, %d classes.', root, splits, len(class_names))
-    headers, skipped = read_headers([path for files in paths.values() for path in files])
+    headers, skipped = indexed_headers(root, [file for files in listed.values() for file in files])
     warn_skipped(skipped)
     if not headers:
       raise errors.DataError(f'Image folder {root!r} holds no readable '
@@ -322,8 +491,8 @@ class FolderSource(ImageFilesSource):
     warn_transparent(headers)
     readable = {header.path for header in headers}
     files = {split: [] for split in splits}  # split -> [(path, label)]
-    for (split, name), paths_of_class in paths.items():
-      paths_of_class = [path for path in paths_of_class if path in readable]
+    for (split, name), files_of_class in listed.items():
+      paths_of_class = [path for path, _ in files_of_class if path in readable]
       if not paths_of_class:
         raise errors.DataError(f'Class folder {os.path.join(root, split, name)!r} holds no '
                                f'readable {"/".join(FORMATS)} image: add images or remove it.',
