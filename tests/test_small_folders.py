@@ -35,3 +35,60 @@ def test_the_same_seed_writes_the_same_folder_and_another_seed_another(tmp_path)
   first, again, other = (read(str(tmp_path / name)) for name in 'abc')
   assert all(np.array_equal(x, y) for x, y in zip(first, again))
   assert not all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(first, other))
+
+
+def _batch(seed: int = 0) -> np.ndarray:
+  """Two 5x7 RGB images in [0, 1] of different means and contrasts, and a flat one."""
+  rng = np.random.default_rng(seed)
+  return np.stack([rng.uniform(0.2, 0.4, (5, 7, 3)), rng.uniform(0.0, 1.0, (5, 7, 3)),
+                   np.full((5, 7, 3), 0.7)]).astype(np.float32)
+
+
+def test_standardize_is_tensorflows_per_image_standardization_on_tf_numpy_and_jax_arrays():
+  import jax  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from preprocessing import standardize  # pylint: disable=g-import-not-at-top
+  images = _batch()
+  expected = tf.image.per_image_standardization(images).numpy()
+  op = standardize.standardize()
+  np.testing.assert_allclose(op(tf.constant(images)).numpy(), expected, atol=1e-5)
+  np.testing.assert_allclose(tf.function(op)(tf.constant(images)).numpy(), expected, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(op(jax.numpy.asarray(images))), expected, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(jax.jit(op)(images)), expected, atol=1e-5)
+  np.testing.assert_allclose(op(images), expected, atol=1e-5)
+  assert np.abs(expected[2]).max() < 1e-5  # The flat image: finite, thanks to the std's floor.
+
+
+def test_standardize_per_channel_gives_each_channel_of_each_image_zero_mean_unit_variance():
+  import jax  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from preprocessing import standardize  # pylint: disable=g-import-not-at-top
+  # Values spread enough that no channel's std is under the floor (1 / sqrt(8 * 9)).
+  images = np.random.default_rng(1).uniform(0, 1, (2, 8, 9, 3)).astype(np.float32)
+  op = standardize.standardize(per_channel=True)
+  for result in (op(tf.constant(images)).numpy(), np.asarray(jax.jit(op)(images))):
+    np.testing.assert_allclose(result.mean(axis=(1, 2)), 0, atol=1e-5)
+    np.testing.assert_allclose(result.std(axis=(1, 2)), 1, atol=1e-4)
+  # A channel's statistics are its own: scaling one channel of the input changes nothing.
+  np.testing.assert_allclose(op(images * np.float32([1, 3, 0.5])), op(images), atol=1e-4)
+
+
+def test_standardize_in_a_preprocess_string_is_the_scale_stage_on_tf_and_jax_arrays():
+  import jax  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import preprocessing  # pylint: disable=g-import-not-at-top
+  images = tf.constant((_batch() * 255).round().astype(np.uint8))
+  parsed = preprocessing.parse('resize(5)|standardize')
+  assert parsed.image_shape((5, 7, 3), 'd') == (5, 5, 3)
+  expected = tf.image.per_image_standardization(tf.cast(images, tf.float32) / 255).numpy()
+  np.testing.assert_allclose(parsed.scale(images).numpy(), expected, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(jax.jit(parsed.scale)(images.numpy())), expected,
+                             atol=1e-5)
+
+
+def test_standardize_refuses_a_per_channel_that_is_not_a_bool():
+  import preprocessing  # pylint: disable=g-import-not-at-top
+  from core import errors  # pylint: disable=g-import-not-at-top
+  with pytest.raises(errors.ConfigError) as raised:
+    preprocessing.parse('standardize(per_channel=1)')
+  assert raised.value.key == 'preprocess'
