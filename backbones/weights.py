@@ -10,7 +10,6 @@ flax (`TRANSFORMS`). torch, safetensors and huggingface_hub are imported only wh
 """
 
 from collections.abc import Callable
-import importlib
 import os
 import pickle
 import re
@@ -180,16 +179,8 @@ def read_state_dict(path: str) -> dict[str, np.ndarray]:
           if np.issubdtype(array.dtype, np.floating)}
 
 
-def _require(module: str, path: str):
-  """The optional package `module`, imported; a `MissingPackage` error naming it if absent."""
-  try:
-    return importlib.import_module(module)
-  except ImportError as error:
-    package = module.split('.')[0]
-    raise errors.MissingPackage(
-        f'config.init_from={path!r} needs the {package!r} package, which is not installed: '
-        f'pip install -r requirements-extras.txt (or pip install {package}).',
-        key='init_from', value=path, package=package) from error
+def _require_reader(module: str, path: str):
+  return errors.require(module, f'config.init_from={path!r}', key='init_from', value=path)
 
 
 def _unreadable(path: str, file: str, error: Exception) -> errors.ConfigError:
@@ -200,7 +191,7 @@ def _unreadable(path: str, file: str, error: Exception) -> errors.ConfigError:
 
 
 def _read_safetensors(file: str, path: str) -> dict[str, np.ndarray]:
-  safetensors_numpy = _require('safetensors.numpy', path)
+  safetensors_numpy = _require_reader('safetensors.numpy', path)
   try:
     return safetensors_numpy.load_file(file)
   except Exception as error:  # pylint: disable=broad-except  (Rust errors of any kind)
@@ -211,7 +202,7 @@ def _read_torch(file: str, path: str) -> dict[str, np.ndarray]:
   """The tensors of a torch pickle: a state_dict, or a checkpoint dict holding one under a key
   of `CHECKPOINT_KEYS`. torch's `weights_only` unpickler refuses anything but tensors and plain
   containers, so neither a whole pickled model nor a malicious file runs code here."""
-  torch = _require('torch', path)
+  torch = _require_reader('torch', path)
   try:
     saved = torch.load(file, map_location='cpu', weights_only=True)
   except pickle.UnpicklingError:
@@ -248,7 +239,7 @@ def _hub_cache_dir(huggingface_hub) -> str:
 def _hub_file(path: str) -> str:
   """The cached file of the Hub repository that `path` ('hf-hub:timm/<name>') names, from the
   local cache only: this app does not download."""
-  huggingface_hub = _require('huggingface_hub', path)
+  huggingface_hub = _require_reader('huggingface_hub', path)
   repo_id = path.removeprefix(HUB_PREFIX)
   cache_dir = _hub_cache_dir(huggingface_hub)
   for filename in HUB_FILES:

@@ -6,6 +6,7 @@ Each type has fields that say what is wrong (the config key, the path, the step.
 and tests can act on the fields instead of parsing the sentence.
 """
 
+import importlib
 from typing import Any
 
 
@@ -87,3 +88,17 @@ class OutOfMemory(ConfigError):
   def reason(error: Exception) -> str:
     """XLA's first line, such as 'Out of memory allocating 6442450944 bytes'."""
     return str(error).split('\n', 1)[0].replace('RESOURCE_EXHAUSTED: ', '').strip()
+
+
+def require(module: str, needed_by: str, error_type: type[UserError] = MissingPackage,
+            **fields: Any):
+  """The optional package `module`, imported; if it is absent, an `error_type` (with `package`
+  and `fields`) saying that `needed_by` (e.g. "config.init_from='w.pth'") needs it."""
+  try:
+    return importlib.import_module(module)
+  except ImportError as error:
+    package = module.split('.')[0]
+    raise error_type(
+        f'{needed_by} needs the {package!r} package, which is not installed: pip install -r '
+        f'requirements-extras.txt (or pip install {package}).', package=package,
+        **fields) from error

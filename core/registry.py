@@ -94,13 +94,7 @@ class Registry:
           key=key, value=name)
     entry = self._entries[name]
     if package := entry.capabilities.get('requires'):
-      try:
-        importlib.import_module(package)
-      except ImportError as error:
-        raise errors.MissingPackage(
-            f'config.{key}={name!r} needs the {package!r} package, which is not installed: '
-            f'pip install -r requirements-extras.txt (or pip install {package}).',
-            key=key, value=name, package=package) from error
+      errors.require(package, f'config.{key}={name!r}', key=key, value=name)
     return entry
 
   def capability(self, name: str, capability: str, default: Any = None) -> Any:

@@ -24,7 +24,6 @@ writes a model card next to it (model_card.py).
 """
 
 import dataclasses
-import importlib
 import logging as python_logging
 import os
 import tempfile
@@ -244,6 +243,11 @@ def run_exported(export_format: str, path: str, images: np.ndarray) -> np.ndarra
     return np.asarray(jax.export.deserialize(file.read()).call(images))
 
 
+def _require(module: str, export_format: str):
+  return errors.require(module, f'--export_format={export_format}', errors.FlagError,
+                        flag='export_format', value=export_format)
+
+
 def check(classifier: Classifier, export_format: str, path: str) -> float:
   """The export's largest logit difference from the JAX model's on random probe images; a
   `DataError` naming the format when its runtime disagrees (a converter's fault)."""
@@ -264,14 +268,3 @@ def check(classifier: Classifier, export_format: str, path: str) -> float:
         '--export_format=saved_model or stablehlo.', what=path, export_format=export_format)
   return difference
 
-
-def _require(module: str, export_format: str):
-  """The optional package `module`, imported; a `FlagError` naming the extra if absent."""
-  try:
-    return importlib.import_module(module)
-  except ImportError as error:
-    package = module.split('.')[0]
-    raise errors.FlagError(
-        f'--export_format={export_format} needs the {package!r} package, which is not '
-        'installed: pip install -r requirements-extras.txt.', flag='export_format',
-        value=export_format, package=package) from error
