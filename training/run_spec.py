@@ -256,13 +256,7 @@ def _input(config: ml_collections.ConfigDict,
         f'{config.data_source!r} cannot: use in_memory=\'auto\' or \'always\', or a data source '
         f'that streams ({", ".join(streaming)}).', key='in_memory', value='never')
   if config.input_backend == 'torch':
-    try:
-      import torch  # pylint: disable=g-import-not-at-top,unused-import  (optional)
-    except ImportError as error:
-      raise errors.MissingPackage(
-          "config.input_backend='torch' needs the 'torch' package, which is not installed: pip "
-          'install -r requirements-extras.txt (or pip install torch).', key='input_backend',
-          value='torch', package='torch') from error
+    errors.require('torch', "config.input_backend='torch'", key='input_backend', value='torch')
     if config.in_memory == 'never' or preprocess.random_ops or preprocess.crop_op:
       raise errors.ConfigError(
           "config.input_backend='torch' takes in-memory splits without random ops: use "
