@@ -1,8 +1,10 @@
 """Image folders: layout, class names, formats, channels, sizes, skipped and messy files,
-slicing, errors; in-memory vs streamed splits; resizing."""
+slicing, errors; in-memory vs streamed splits; resizing; the header index and the scan's
+progress line."""
 
 import logging
 import os
+import time
 
 import numpy as np
 from PIL import Image
@@ -292,8 +294,8 @@ def test_streamed_eval_batches_read_every_example_once_per_pass(shapes_root):
   data = _data(shapes_root)
   memory = input_pipeline.open_split(data, 'test', run_spec.resolve(_config(shapes_root, in_memory='always')).input)
   streamed = input_pipeline.open_split(data, 'test', run_spec.resolve(_config(shapes_root, in_memory='never')).input)
-  expected = input_pipeline.eval_batches(memory, data.preprocess, batch_size=10, num_batches=4)
-  batches = input_pipeline.eval_batches(streamed, data.preprocess, batch_size=10, num_batches=4)
+  expected = input_pipeline.eval_batches(memory, batch_size=10, num_batches=4)
+  batches = input_pipeline.eval_batches(streamed, batch_size=10, num_batches=4)
   assert isinstance(batches, input_pipeline.EvalBatches)
   for _ in range(2):  # Every pass reads the split again, in the same order.
     got = list(batches)
@@ -301,3 +303,118 @@ def test_streamed_eval_batches_read_every_example_once_per_pass(shapes_root):
     for got_batch, want_batch in zip(got, expected):
       for key in ('image', 'label', 'mask'):
         np.testing.assert_array_equal(got_batch[key], want_batch[key])
+
+
+def _counted_reads(monkeypatch):
+  """The paths whose headers are read from now on."""
+  reads, read = [], folder_source.read_header
+  monkeypatch.setattr(folder_source, 'read_header', lambda path: reads.append(path) or read(path))
+  return reads
+
+
+def _opened(root, caplog):
+  """The folder source of `root`, and the warnings opening it logged."""
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    source = folder_source.FolderSource(root)
+  return source, [record.getMessage() for record in caplog.records
+                  if record.levelno == logging.WARNING]
+
+
+def _indexed_folder(root):
+  """A small folder with damaged files (broken.png, notes.txt) and a hidden one."""
+  image_folders.make_shapes_folder(root, {'train': 3, 'test': 2}, image_sizes=(6, 9))
+  open(os.path.join(root, 'train', 'top', '.DS_Store'), 'wb').close()
+
+
+def _contents(source):
+  return (source.class_names, source.image_shape, source._files, source._headers)  # pylint: disable=protected-access
+
+
+def test_a_folder_opened_again_reads_no_header_and_gives_the_same_splits(tmp_path, monkeypatch,
+                                                                         caplog):
+  root = str(tmp_path / 'indexed')
+  _indexed_folder(root)
+  reads = _counted_reads(monkeypatch)
+  first, first_warnings = _opened(root, caplog)
+  assert len(reads) == 3 * 5 + 2  # Every visible file, damaged ones included; not .DS_Store.
+  assert os.path.exists(os.path.join(root, folder_source.INDEX_FILE))
+  reads.clear()
+  second, second_warnings = _opened(root, caplog)
+  assert reads == []
+  assert _contents(second) == _contents(first)  # Files, labels, order, headers.
+  assert second_warnings == first_warnings  # The damaged files are still skipped by name.
+  assert 'broken.png' in second_warnings[0] and 'notes.txt' in second_warnings[0]
+  assert folder_source.INDEX_FILE not in folder_source.find_files(root)[0]
+
+
+def test_files_added_removed_or_replaced_are_read_again(tmp_path, monkeypatch, caplog):
+  root = str(tmp_path / 'changing')
+  _indexed_folder(root)
+  first, _ = _opened(root, caplog)
+  folder = os.path.join(root, 'train', 'top')
+  added, removed = os.path.join(folder, 'new.png'), os.path.join(folder, '000.png')
+  replaced, damaged = os.path.join(folder, '001.jpg'), os.path.join(folder, '002.bmp')
+  _write(added, Image.fromarray(np.zeros((5, 7, 3), np.uint8)))
+  os.remove(removed)
+  _write(replaced, Image.fromarray(np.zeros((30, 40, 3), np.uint8)))
+  # Damaged in place, keeping its size and (as cp -p or rsync do) its mtime: its ctime changes.
+  stat = os.stat(damaged)
+  with open(damaged, 'r+b') as file:
+    file.write(b'\0' * stat.st_size)
+  os.utime(damaged, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+  reads = _counted_reads(monkeypatch)
+  second, warnings = _opened(root, caplog)
+  assert sorted(reads) == sorted([added, replaced, damaged])
+  assert second._headers[replaced].size == (30, 40)  # pylint: disable=protected-access
+  assert removed not in second._headers and added in second._headers  # pylint: disable=protected-access
+  assert 'broken.png' in warnings[0] and '002.bmp' in warnings[0]
+  assert second.num_examples('train') == first.num_examples('train') - 1
+  reads.clear()
+  assert _contents(_opened(root, caplog)[0]) == _contents(second) and reads == []
+
+
+@pytest.mark.parametrize('damage', [
+    lambda text: text[:len(text) // 2],  # Cut short, as by a full disk.
+    lambda text: text.replace('"files":{"', '"files":{"x":[1],"', 1),  # An entry of another shape.
+])
+def test_a_damaged_index_is_rebuilt_with_one_warning(tmp_path, monkeypatch, caplog, damage):
+  root = str(tmp_path / 'damaged')
+  _indexed_folder(root)
+  first, first_warnings = _opened(root, caplog)
+  index = os.path.join(root, folder_source.INDEX_FILE)
+  with open(index, encoding='utf-8') as file:
+    text = file.read()
+  with open(index, 'w', encoding='utf-8') as file:
+    file.write(damage(text))
+  reads = _counted_reads(monkeypatch)
+  second, warnings = _opened(root, caplog)
+  assert len(reads) == 3 * 5 + 2
+  assert warnings[1:] == first_warnings and index in warnings[0]
+  assert _contents(second) == _contents(first)
+  with open(index, encoding='utf-8') as file:
+    assert file.read() == text  # Rebuilt whole.
+
+
+def test_a_read_only_folder_keeps_its_index_in_the_cache_dir(tmp_path, monkeypatch, caplog):
+  root = str(tmp_path / 'shared')
+  _indexed_folder(root)
+  monkeypatch.setattr(folder_source, '_writable', lambda folder: False)
+  monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'cache'))
+  _opened(root, caplog)
+  assert not os.path.exists(os.path.join(root, folder_source.INDEX_FILE))
+  assert folder_source.index_path(root).startswith(str(tmp_path / 'cache'))
+  assert os.path.exists(folder_source.index_path(root))
+  reads = _counted_reads(monkeypatch)
+  _opened(root, caplog)
+  assert reads == []
+
+
+def test_a_long_header_scan_logs_its_progress(monkeypatch, caplog):
+  monkeypatch.setattr(folder_source, '_PROGRESS_SECONDS', 0.02)
+  monkeypatch.setattr(folder_source, 'read_header', lambda path: time.sleep(0.01))
+  with caplog.at_level(logging.INFO):
+    folder_source.read_headers([f'{index}.png' for index in range(200)])
+  lines = [record.getMessage() for record in caplog.records
+           if record.getMessage().startswith('Reading image headers:')]
+  assert lines and all('/200 files' in line and 'files/s, ETA' in line for line in lines)
