@@ -1,0 +1,281 @@
+"""Train-step speed of this app's ImageNet backbones against timm's in PyTorch, same machine.
+
+    python -m benchmarks.backbones --json=backbones.json \
+      [--models=resnet50,vit_small_patch16_224] [--dtypes=float32,bfloat16] \
+      [--configurations=jax_auto,jax_off,torch_eager,torch_compile] \
+      [--batch_size=32] [--image_size=224] [--warmup=3] [--steps=5] [--rounds=1] [--device=cpu]
+
+For every model x dtype x configuration, a fresh child process builds the model and its
+optimizer, runs --warmup steps (the first one compiles: its seconds are reported apart), then
+times --steps steps one by one, each waited for; the figure is the median step -> images/s.
+The children run one after the other, configurations alternating within a model and dtype,
+and round after round (--rounds), so that a drifting machine speed (shared cloud cores) hits
+all of them alike; the table shows medians over the rounds and --json keeps every round.
+
+Configurations:
+  jax_auto, jax_off: this app's own train step (`training.state.create` and
+      `make_train_step`, as `main.py` builds them) for `configs/finetune.py` with --config.model
+      set to the model, its `compute_dtype` the dtype and `cpu_kernels` auto (the XLA:CPU
+      layers of kernels/cpu.py on a CPU, the stock ones elsewhere) or off: AdamW (weight decay
+      0.05), warm-up + cosine, label smoothing 0.1, the EMA of the weights, 1,000 classes.
+      Batches of random float32 images, as the input pipeline hands them to the step.
+  torch_eager, torch_compile: timm's model of the same name (`timm.create_model`, 1,000
+      classes), the same recipe as timm's train.py runs it: `torch.optim.AdamW` (lr 3e-4,
+      weight decay 0.05), cross-entropy with label smoothing 0.1, `timm.utils.ModelEmaV3`
+      (decay 0.99); bfloat16 through `torch.autocast`; `torch.compile(model)` in default mode
+      for torch_compile, compiled cold in its own inductor cache (as JAX compiles cold).
+Threads: every child uses all the cores it may run on (PyTorch's intra-op threads are set to
+them; XLA:CPU's pool takes them by default); each child reports its count.
+
+The first lines printed, and the JSON, name the CPU, its ISA features (AVX2, AVX-512,
+AVX512-BF16, AMX: `benchmarks.peer.machine_info`), the library versions and the load average
+(`uptime`'s) at the start and end; every row carries the 1-minute load when it started. On a
+CPU without AVX512-BF16 or AMX, bfloat16 is emulated and PyTorch's bfloat16 convolutions and
+matmuls run 10-400x slower than float32 (docs/performance.md): measure them at a smaller
+--batch_size, in a run of their own (docs/backbone_speed.md).
+
+GPU (--device=cuda): JAX on its GPU backend (the venv needs jax[cuda]) with cpu_kernels off
+and PyTorch on CUDA; default configurations jax_off, torch_eager, torch_compile.
+`benchmarks/backbones_gpu.sh` is the prepared run.
+"""
+
+import collections
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+
+# --json, --device and --rounds are peer.py's flags, with the same meaning here.
+from benchmarks import peer
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list('models', ['resnet50', 'vit_small_patch16_224'],
+                  "Models, by timm's names (registered in this app under the same names).")
+flags.DEFINE_list('dtypes', ['float32', 'bfloat16'], 'What the models compute in.')
+flags.DEFINE_list('configurations', None, 'What to run (default: all for --device): '
+                  'jax_auto, jax_off, torch_eager, torch_compile.')
+flags.DEFINE_integer('batch_size', 32, 'Images per train step.', lower_bound=1)
+flags.DEFINE_integer('image_size', 224, 'Height and width of the images.', lower_bound=16)
+flags.DEFINE_integer('warmup', 3, 'Untimed steps first (the first compiles).', lower_bound=1)
+flags.DEFINE_integer('steps', 5, 'Timed steps; the figure is their median.', lower_bound=1)
+# Internal: a child that measures one configuration, in-process.
+flags.DEFINE_enum('child', None, ['jax_auto', 'jax_off', 'torch_eager', 'torch_compile'],
+                  'Measure this configuration of --models and --dtypes (one each).')
+
+CONFIGURATIONS = ('jax_auto', 'jax_off', 'torch_eager', 'torch_compile')
+DEFAULT_CONFIGURATIONS = {'cpu': CONFIGURATIONS,
+                          'cuda': ('jax_off', 'torch_eager', 'torch_compile')}
+NUM_CLASSES = 1000  # ImageNet's head, as the models are published.
+LABEL_SMOOTHING = 0.1  # configs/finetune.py's.
+
+
+def usable_cores() -> int:
+  return len(os.sched_getaffinity(0))
+
+
+def load_1min() -> float:
+  """The 1-minute load average, as `uptime` prints it."""
+  return os.getloadavg()[0]
+
+
+def timed_steps(step, synchronize, warmup: int, steps: int) -> dict:
+  """Runs `step` warmup + steps times, each followed by `synchronize`; the first call's
+  seconds (compilation included) and every timed step's seconds."""
+  times = []
+  for _ in range(warmup + steps):
+    start = time.perf_counter()
+    step()
+    synchronize()
+    times.append(time.perf_counter() - start)
+  return {'first_step_seconds': times[0], 'step_seconds': times[warmup:]}
+
+
+def measure_jax(configuration: str, model: str, dtype: str) -> dict:
+  """Times this app's train step of `model` (configs/finetune.py's recipe) in `dtype`."""
+  # pylint: disable=g-import-not-at-top  (only this child starts JAX; runtime first)
+  from core import runtime
+  runtime.start()
+  import jax
+  import numpy as np
+
+  from configs import finetune
+  from data_sources import base
+  from training import run_spec
+  from training import state as state_lib
+  # pylint: enable=g-import-not-at-top
+  config = finetune.get_config()
+  config.model = model
+  config.compute_dtype = dtype
+  config.cpu_kernels = configuration.removeprefix('jax_')
+  config.batch_size = FLAGS.batch_size
+  run = run_spec.resolve(config)
+  shape = (FLAGS.image_size, FLAGS.image_size, 3)
+  steps_per_epoch = FLAGS.warmup + FLAGS.steps  # One epoch: the schedule warms up over it.
+  info = base.DatasetInfo('random', shape, NUM_CLASSES, steps_per_epoch * FLAGS.batch_size, 0)
+  state = state_lib.create(run.model, info, run.optimization,
+                           run.optimization.learning_rate_schedule(steps_per_epoch),
+                           seed=run.seed, ema_decay=run.ema_decay)
+  train_step = state_lib.make_train_step(run.loss(info.num_classes), run.input.preprocess)
+  rng = np.random.default_rng(0)
+  batch = {'image': jax.numpy.asarray(
+               rng.integers(0, 256, (FLAGS.batch_size, *shape), np.uint8) / np.float32(255)),
+           'label': jax.numpy.asarray(rng.integers(0, NUM_CLASSES, FLAGS.batch_size, np.int32))}
+  figures = timed_steps(lambda: train_step(state, batch),
+                        lambda: jax.block_until_ready(jax.tree.leaves(state)),
+                        FLAGS.warmup, FLAGS.steps)
+  return {**figures, 'threads': usable_cores(), 'device_name': jax.devices()[0].device_kind,
+          'ema_decay': run.ema_decay}
+
+
+def measure_torch(configuration: str, model: str, dtype: str) -> dict:
+  """Times a train step of timm's `model` in PyTorch, as `configuration` runs it."""
+  # pylint: disable=g-import-not-at-top  (optional extras; only this child imports them)
+  import timm
+  import timm.utils
+  import torch
+  from torch.nn import functional as F
+
+  from benchmarks import pytorch_mnist
+  # pylint: enable=g-import-not-at-top
+  device = torch.device(FLAGS.device)
+  torch.set_num_threads(usable_cores())
+  torch.manual_seed(0)
+  network = timm.create_model(model, num_classes=NUM_CLASSES)
+  if getattr(network, 'patch_embed', None) and network.patch_embed.img_size != (
+      FLAGS.image_size,) * 2:  # A ViT's position embeddings are for one size: built for ours.
+    network = timm.create_model(model, num_classes=NUM_CLASSES, img_size=FLAGS.image_size)
+  network = network.to(device).train()
+  optimizer = torch.optim.AdamW(network.parameters(), lr=3e-4, weight_decay=0.05)
+  ema = timm.utils.ModelEmaV3(network, decay=0.99)
+  forward = torch.compile(network) if configuration == 'torch_compile' else network
+  images = torch.rand(FLAGS.batch_size, 3, FLAGS.image_size, FLAGS.image_size, device=device)
+  labels = torch.randint(0, NUM_CLASSES, (FLAGS.batch_size,), device=device)
+
+  def step():
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == 'bfloat16'):
+      loss = F.cross_entropy(forward(images), labels, label_smoothing=LABEL_SMOOTHING)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    ema.update(network)
+
+  figures = timed_steps(step, lambda: pytorch_mnist.synchronize(device),
+                        FLAGS.warmup, FLAGS.steps)
+  return {**figures, 'threads': torch.get_num_threads(),
+          'device_name': (torch.cuda.get_device_name(device) if device.type == 'cuda'
+                          else 'cpu')}
+
+
+def run_configuration(configuration: str, model: str, dtype: str) -> dict:
+  """Measures one configuration in a fresh child; its figures, with the load it started at."""
+  library = 'jax' if configuration.startswith('jax') else 'torch'
+  load = load_1min()
+  with tempfile.TemporaryDirectory() as workdir:
+    out = os.path.join(workdir, 'figures.json')
+    seconds = peer.run_child(
+        [sys.executable, '-m', 'benchmarks.backbones', f'--child={configuration}',
+         f'--models={model}', f'--dtypes={dtype}', f'--device={FLAGS.device}',
+         f'--batch_size={FLAGS.batch_size}', f'--image_size={FLAGS.image_size}',
+         f'--warmup={FLAGS.warmup}', f'--steps={FLAGS.steps}', f'--json={out}'],
+        peer.child_env(library, workdir))
+    with open(out) as f:
+      figures = json.load(f)
+  median_step = statistics.median(figures['step_seconds'])
+  return {**figures, 'median_step_seconds': median_step,
+          'images_per_sec': FLAGS.batch_size / median_step, 'process_seconds': seconds,
+          'load_1min': load}
+
+
+def summarize(every_round: dict[tuple[str, str, str], list[dict]]) -> list[dict]:
+  """A row per (model, dtype, configuration): medians over the rounds, and images/s over the
+  best PyTorch configuration's of the same model and dtype."""
+  rows = []
+  for (model, dtype, configuration), runs in every_round.items():
+    rows.append({'model': model, 'dtype': dtype, 'configuration': configuration,
+                 **{key: peer.median([run[key] for run in runs])
+                    for key in ('images_per_sec', 'median_step_seconds', 'first_step_seconds',
+                                'load_1min')},
+                 'threads': runs[0]['threads'], 'device_name': runs[0]['device_name']})
+  for row in rows:
+    torch_rates = [other['images_per_sec'] for other in rows
+                   if (other['model'], other['dtype']) == (row['model'], row['dtype'])
+                   and other['configuration'].startswith('torch')]
+    row['vs_best_torch'] = row['images_per_sec'] / max(torch_rates) if torch_rates else None
+  return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+  """The table of `rows` (summarize's)."""
+  lines = ['| model | dtype | configuration | images/s | median step (s) | first step, compile '
+           'included (s) | vs best PyTorch | threads | load (1 min) |',
+           '| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |']
+  for row in rows:
+    ratio = f'{row["vs_best_torch"]:.2f}x' if row['vs_best_torch'] is not None else ''
+    lines.append(f'| {row["model"]} | {row["dtype"]} | {row["configuration"]} | '
+                 f'{row["images_per_sec"]:,.2f} | {row["median_step_seconds"]:.3f} | '
+                 f'{row["first_step_seconds"]:.1f} | {ratio} | {row["threads"]} | '
+                 f'{row["load_1min"]:.2f} |')
+  return '\n'.join(lines)
+
+
+def selected_configurations() -> list[str]:
+  names = FLAGS.configurations or list(DEFAULT_CONFIGURATIONS[FLAGS.device])
+  unknown = [name for name in names if name not in CONFIGURATIONS]
+  if unknown:
+    raise app.UsageError(f'Unknown --configurations {unknown}: choose from '
+                         f'{list(CONFIGURATIONS)}.')
+  return names
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  if FLAGS.child:
+    (model,), (dtype,) = FLAGS.models, FLAGS.dtypes
+    measure = measure_jax if FLAGS.child.startswith('jax') else measure_torch
+    with open(FLAGS.json, 'w') as f:
+      json.dump(measure(FLAGS.child, model, dtype), f)
+    return
+
+  configurations = selected_configurations()
+  machine = peer.machine_info()
+  started_load = os.getloadavg()
+  header = [peer.machine_line(machine),
+            f'Load average at start (1, 5, 15 min): {", ".join(f"{x:.2f}" for x in started_load)}; '
+            f'batch {FLAGS.batch_size}, {FLAGS.image_size} px, {FLAGS.warmup} warm-up + '
+            f'{FLAGS.steps} timed steps, {FLAGS.rounds} round(s), on {FLAGS.device}']
+  print('\n'.join(header), flush=True)
+  every_round = collections.defaultdict(list)
+  for round_index in range(1, FLAGS.rounds + 1):
+    for model in FLAGS.models:
+      for dtype in FLAGS.dtypes:
+        for configuration in configurations:
+          run = run_configuration(configuration, model, dtype)
+          every_round[model, dtype, configuration].append(run)
+          print(f'round {round_index} {model} {dtype} {configuration}: '
+                f'{run["images_per_sec"]:.2f} images/s (steps {run["step_seconds"]}), first '
+                f'step {run["first_step_seconds"]:.1f} s, load {run["load_1min"]:.2f}',
+                flush=True)
+  rows = summarize(every_round)
+  ended_load = os.getloadavg()
+  header.append(f'Load average at end (1, 5, 15 min): '
+                f'{", ".join(f"{x:.2f}" for x in ended_load)}')
+  print(f'\n{header[-1]}\n\n{markdown_table(rows)}')
+  report = {'machine': machine, 'device': FLAGS.device, 'batch_size': FLAGS.batch_size,
+            'image_size': FLAGS.image_size, 'warmup': FLAGS.warmup, 'steps': FLAGS.steps,
+            'rounds': FLAGS.rounds, 'load_at_start': started_load, 'load_at_end': ended_load,
+            'rows': rows,
+            'every_round': [{'model': model, 'dtype': dtype, 'configuration': configuration,
+                             'runs': runs}
+                            for (model, dtype, configuration), runs in every_round.items()]}
+  with open(FLAGS.json, 'w') as f:
+    json.dump(report, f, indent=2)
+
+
+if __name__ == '__main__':
+  app.run(main)
