@@ -1,0 +1,79 @@
+"""benchmarks/backbones.py: its summary, and the whole benchmark at a tiny size (slow tier)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import backbones
+from conftest import requires_extras
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = ('resnet50', 'vit_small_patch16_224')
+DTYPES = ('float32', 'bfloat16')
+
+
+def _run(step_seconds: float) -> dict:
+  return {'images_per_sec': 32 / step_seconds, 'median_step_seconds': step_seconds,
+          'first_step_seconds': 10 * step_seconds, 'load_1min': 1.0, 'threads': 2,
+          'device_name': 'cpu'}
+
+
+def test_summary_takes_medians_and_compares_with_the_fastest_pytorch_of_its_model_and_dtype():
+  every_round = {('resnet50', 'float32', 'jax_auto'): [_run(2.0), _run(4.0), _run(3.0)],
+                 ('resnet50', 'float32', 'torch_eager'): [_run(8.0)],
+                 ('resnet50', 'float32', 'torch_compile'): [_run(4.0)],
+                 ('resnet50', 'bfloat16', 'jax_auto'): [_run(1.0)]}
+  rows = {(row['model'], row['dtype'], row['configuration']): row
+          for row in backbones.summarize(every_round)}
+  assert rows['resnet50', 'float32', 'jax_auto']['median_step_seconds'] == 3.0
+  # Against torch_compile (8 images/s), the faster PyTorch configuration of its model and dtype.
+  assert rows['resnet50', 'float32', 'jax_auto']['vs_best_torch'] == pytest.approx(
+      (32 / 3.0) / (32 / 4.0))
+  assert rows['resnet50', 'float32', 'torch_eager']['vs_best_torch'] == pytest.approx(0.5)
+  assert rows['resnet50', 'bfloat16', 'jax_auto']['vs_best_torch'] is None  # No PyTorch row.
+  table = backbones.markdown_table(list(rows.values())).splitlines()
+  assert len(table) == 2 + len(rows)
+
+
+def _benchmark(tmp_path, configurations: list[str]) -> tuple[str, dict]:
+  """Runs the benchmark at a tiny size; its stdout and JSON report."""
+  out = tmp_path / 'backbones.json'
+  result = subprocess.run(
+      [sys.executable, '-m', 'benchmarks.backbones', '--image_size=32', '--batch_size=2',
+       '--warmup=1', '--steps=1', f'--configurations={",".join(configurations)}',
+       f'--json={out}'], cwd=ROOT, capture_output=True, text=True, timeout=1500)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  return result.stdout, json.loads(out.read_text())
+
+
+def _check_every_row(stdout: str, report: dict, configurations: list[str]) -> None:
+  expected = {(model, dtype, configuration) for model in MODELS for dtype in DTYPES
+              for configuration in configurations}
+  rows = {(row['model'], row['dtype'], row['configuration']): row for row in report['rows']}
+  assert rows.keys() == expected
+  for key, row in rows.items():
+    assert row['images_per_sec'] > 0, key
+    assert row['images_per_sec'] == pytest.approx(2 / row['median_step_seconds'])
+    assert f'| {" | ".join(key)} | ' in stdout, key
+  assert 'avx2' in stdout.splitlines()[0]  # The ISA line comes first.
+  assert 'Load average at start' in stdout
+
+
+@pytest.mark.slow
+def test_benchmark_has_a_row_for_every_model_dtype_and_jax_configuration(tmp_path):
+  configurations = ['jax_auto', 'jax_off']
+  stdout, report = _benchmark(tmp_path, configurations)
+  _check_every_row(stdout, report, configurations)
+  assert report['machine']['usable_cores'] == len(os.sched_getaffinity(0))
+
+
+@pytest.mark.slow
+def test_benchmark_has_a_row_for_every_model_dtype_and_pytorch_configuration(tmp_path):
+  requires_extras('torch', 'timm')
+  configurations = ['torch_eager', 'torch_compile']
+  stdout, report = _benchmark(tmp_path, configurations)
+  _check_every_row(stdout, report, configurations)
+  assert all(row['vs_best_torch'] <= 1.0 for row in report['rows'])
