@@ -1,0 +1,112 @@
+"""Opening a large image folder: the first open (every header read) vs the next (the index).
+
+    python -m benchmarks.folder_index --root=/tmp/folder_index_100k [--files=100000]
+
+Writes `--files` small PNGs (8x8, `train/<class>/`, 10 classes) under `--root` unless it is
+already there, deletes the folder's index, then opens the folder three times, each in a fresh
+process under `/usr/bin/time -v`: with no index (every header read, the index written), again
+(from the index), and after one file was touched (one header read again). For each it prints the
+seconds `FolderSource(root)` took, the process's wall time and peak RSS, and the RSS that the
+open added to the process after its imports, per file (docs/own_data.md).
+"""
+
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+
+from core import runtime  # pylint: disable=g-bad-import-order  (first: it must precede tensorflow)
+
+runtime.start()  # As main.py does.
+
+from absl import app
+from absl import flags
+import numpy as np
+from PIL import Image
+
+from data_sources import folder_source
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string('root', '/tmp/folder_index_100k', 'The image folder (written if absent).')
+flags.DEFINE_integer('files', 100_000, 'Number of images to write.')
+flags.DEFINE_integer('classes', 10, 'Number of class folders.')
+flags.DEFINE_bool('open_once', False, 'Internal: open the folder once and print the figures.')
+_VARIANTS = 256  # Distinct encoded images, written over and over: encoding each is the slow part.
+
+
+def _generate(root: str, files: int, classes: int) -> None:
+  """`files` 8x8 RGB PNGs in `classes` folders: `_VARIANTS` random images encoded once, written
+  round-robin."""
+  rng = np.random.default_rng(0)
+  variants = []
+  for _ in range(_VARIANTS):
+    image = Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
+    path = os.path.join(root, 'variant.png')
+    os.makedirs(root, exist_ok=True)
+    image.save(path)
+    with open(path, 'rb') as file:
+      variants.append(file.read())
+    os.remove(path)
+  for index in range(files):
+    folder = os.path.join(root, 'train', f'class_{index % classes}')
+    if index < classes:
+      os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f'{index:07d}.png'), 'wb') as file:
+      file.write(variants[index % _VARIANTS])
+
+
+def _open_once(root: str) -> None:
+  """Opens `root` as training does and prints the figures as one JSON line."""
+  before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  start = time.perf_counter()
+  source = folder_source.FolderSource(root)
+  seconds = time.perf_counter() - start
+  after_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  print(json.dumps({'open_s': seconds, 'files': source.num_examples('train'),
+                    'rss_added_mb': (after_kb - before_kb) / 1024}))
+
+
+def _timed_open(root: str) -> dict:
+  """`_open_once` in a fresh process under /usr/bin/time -v: its figures, wall time, peak RSS."""
+  result = subprocess.run(['/usr/bin/time', '-v', sys.executable, '-m', 'benchmarks.folder_index',
+                           f'--root={root}', '--open_once'], capture_output=True, text=True,
+                          check=True)
+  figures = json.loads(result.stdout.strip().splitlines()[-1])
+  peak_kb = re.search(r'Maximum resident set size \(kbytes\): (\d+)', result.stderr).group(1)
+  wall = re.search(r'Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)', result.stderr)
+  return {**figures, 'peak_rss_mb': int(peak_kb) / 1024,
+          'wall_s': sum(float(part) * 60**power
+                        for power, part in enumerate(reversed(wall.group(1).split(':'))))}
+
+
+def main(argv):
+  del argv
+  if FLAGS.open_once:
+    _open_once(FLAGS.root)
+    return
+  if not os.path.isdir(FLAGS.root):
+    start = time.perf_counter()
+    _generate(FLAGS.root, FLAGS.files, FLAGS.classes)
+    print(f'Wrote {FLAGS.files} PNGs under {FLAGS.root} in {time.perf_counter() - start:.1f}s.')
+  index = folder_source.index_path(FLAGS.root)
+  if os.path.exists(index):
+    os.remove(index)
+  runs = {'first open (no index)': _timed_open(FLAGS.root)}
+  index_mb = os.path.getsize(index) / 2**20
+  runs['second open (index)'] = _timed_open(FLAGS.root)
+  os.utime(folder_source.find_files(os.path.join(FLAGS.root, 'train', 'class_0'))[0])
+  runs['one file touched'] = _timed_open(FLAGS.root)
+  print(f'Index: {index} ({index_mb:.1f} MB).')
+  print('| open | files | open (s) | process wall (s) | peak RSS (MB) | RSS added by the open '
+        '(MB) | per file (bytes) |')
+  for name, run in runs.items():
+    print(f'| {name} | {run["files"]:,} | {run["open_s"]:.2f} | {run["wall_s"]:.1f} | '
+          f'{run["peak_rss_mb"]:,.0f} | {run["rss_added_mb"]:.0f} | '
+          f'{run["rss_added_mb"] * 2**20 / run["files"]:,.0f} |')
+
+
+if __name__ == '__main__':
+  app.run(main)
