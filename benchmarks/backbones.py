@@ -3,7 +3,7 @@
     python -m benchmarks.backbones --json=backbones.json \
       [--models=resnet50,vit_small_patch16_224] [--dtypes=float32,bfloat16] \
       [--configurations=jax_auto,jax_off,torch_eager,torch_compile] \
-      [--batch_size=32] [--image_size=224] [--warmup=3] [--steps=5] [--rounds=1] [--device=cpu]
+      [--batch_size=32] [--image_size=224] [--warmup=3] [--steps=5] [--rounds=3] [--device=cpu]
 
 For every model x dtype x configuration, a fresh child process builds the model and its
 optimizer, runs --warmup steps (the first one compiles: its seconds are reported apart), then
@@ -18,7 +18,8 @@ Configurations:
       set to the model, its `compute_dtype` the dtype and `cpu_kernels` auto (the XLA:CPU
       layers of kernels/cpu.py on a CPU, the stock ones elsewhere) or off: AdamW (weight decay
       0.05), warm-up + cosine, label smoothing 0.1, the EMA of the weights, 1,000 classes.
-      Batches of random float32 images, as the input pipeline hands them to the step.
+      Batches of random uint8 images, as the input pipeline hands them to the step (which
+      scales them to what the model takes).
   torch_eager, torch_compile: timm's model of the same name (`timm.create_model`, 1,000
       classes), the same recipe as timm's train.py runs it: `torch.optim.AdamW` (lr 3e-4,
       weight decay 0.05), cross-entropy with label smoothing 0.1, `timm.utils.ModelEmaV3`
@@ -122,8 +123,7 @@ def measure_jax(configuration: str, model: str, dtype: str) -> dict:
                            seed=run.seed, ema_decay=run.ema_decay)
   train_step = state_lib.make_train_step(run.loss(info.num_classes), run.input.preprocess)
   rng = np.random.default_rng(0)
-  batch = {'image': jax.numpy.asarray(
-               rng.integers(0, 256, (FLAGS.batch_size, *shape), np.uint8) / np.float32(255)),
+  batch = {'image': jax.numpy.asarray(rng.integers(0, 256, (FLAGS.batch_size, *shape), np.uint8)),
            'label': jax.numpy.asarray(rng.integers(0, NUM_CLASSES, FLAGS.batch_size, np.int32))}
   figures = timed_steps(lambda: train_step(state, batch),
                         lambda: jax.block_until_ready(jax.tree.leaves(state)),
