@@ -43,6 +43,7 @@ and PyTorch on CUDA; default configurations jax_off, torch_eager, torch_compile.
 import collections
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -199,7 +200,7 @@ def summarize(every_round: dict[tuple[str, str, str], list[dict]]) -> list[dict]
     rows.append({'model': model, 'dtype': dtype, 'configuration': configuration,
                  **{key: peer.median([run[key] for run in runs])
                     for key in ('images_per_sec', 'median_step_seconds', 'first_step_seconds',
-                                'load_1min')},
+                                'load_1min', 'peak_rss_mb')},
                  'threads': runs[0]['threads'], 'device_name': runs[0]['device_name']})
   for row in rows:
     torch_rates = [other['images_per_sec'] for other in rows
@@ -212,13 +213,14 @@ def summarize(every_round: dict[tuple[str, str, str], list[dict]]) -> list[dict]
 def markdown_table(rows: list[dict]) -> str:
   """The table of `rows` (summarize's)."""
   lines = ['| model | dtype | configuration | images/s | median step (s) | first step, compile '
-           'included (s) | vs best PyTorch | threads | load (1 min) |',
-           '| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |']
+           'included (s) | vs best PyTorch | peak RSS (MB) | threads | load (1 min) |',
+           '| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |']
   for row in rows:
     ratio = f'{row["vs_best_torch"]:.2f}x' if row['vs_best_torch'] is not None else ''
     lines.append(f'| {row["model"]} | {row["dtype"]} | {row["configuration"]} | '
                  f'{row["images_per_sec"]:,.2f} | {row["median_step_seconds"]:.3f} | '
-                 f'{row["first_step_seconds"]:.1f} | {ratio} | {row["threads"]} | '
+                 f'{row["first_step_seconds"]:.1f} | {ratio} | {row["peak_rss_mb"]:,.0f} | '
+                 f'{row["threads"]} | '
                  f'{row["load_1min"]:.2f} |')
   return '\n'.join(lines)
 
@@ -238,8 +240,11 @@ def main(argv):
   if FLAGS.child:
     (model,), (dtype,) = FLAGS.models, FLAGS.dtypes
     measure = measure_jax if FLAGS.child.startswith('jax') else measure_torch
+    figures = measure(FLAGS.child, model, dtype)
+    # Peak resident memory of the whole child (model, optimizer, activations, compiler), MB.
+    figures['peak_rss_mb'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     with open(FLAGS.json, 'w') as f:
-      json.dump(measure(FLAGS.child, model, dtype), f)
+      json.dump(figures, f)
     return
 
   configurations = selected_configurations()

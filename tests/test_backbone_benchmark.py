@@ -17,7 +17,8 @@ DTYPES = ('float32', 'bfloat16')
 
 def _run(step_seconds: float) -> dict:
   return {'images_per_sec': 32 / step_seconds, 'median_step_seconds': step_seconds,
-          'first_step_seconds': 10 * step_seconds, 'load_1min': 1.0, 'threads': 2,
+          'first_step_seconds': 10 * step_seconds, 'load_1min': 1.0, 'peak_rss_mb': 900.0,
+          'threads': 2,
           'device_name': 'cpu'}
 
 
@@ -58,6 +59,7 @@ def _check_every_row(stdout: str, report: dict, configurations: list[str]) -> No
     assert row['images_per_sec'] > 0, key
     assert row['images_per_sec'] == pytest.approx(2 / row['median_step_seconds'])
     assert f'| {" | ".join(key)} | ' in stdout, key
+    assert row['peak_rss_mb'] > 100, key  # A Python process with JAX or PyTorch in it.
   assert 'avx2' in stdout.splitlines()[0]  # The ISA line comes first.
   assert 'Load average at start' in stdout
 
