@@ -8,12 +8,12 @@ convolution, dense, batch-norm, dropout and pooling layers to build from, see `k
 your config file imports) with the decorator. See README.md.
 """
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 import dataclasses
 import functools
 import math
 import re
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from flax import nnx
 import jax
@@ -137,9 +137,10 @@ class ResidualBlock(nnx.Module):
     return nnx.relu(x + y)
 
 
-@MODELS.register('resnet')
-class ResNet(nnx.Module):
-  """A small ResNet for 32x32 colour images (ResNet-20 of He et al. 2016 by default).
+@MODELS.register('cifar_resnet')
+class CifarResNet(nnx.Module):
+  """A small ResNet for 32x32 colour images (ResNet-20 of He et al. 2016 by default), not
+  the ImageNet `resnet18/34/50` of `backbones/`.
 
   A 3x3 stem, then one stage of `blocks_per_stage` residual blocks per width in `widths`, each
   stage after the first halving the resolution with a stride-2 convolution, then global average
@@ -168,6 +169,22 @@ class ResNet(nnx.Module):
       x = block(x)
     # Global average pooling; logits in float32 as CNN's.
     return self.linear(x.mean(axis=(1, 2))).astype(jnp.float32)
+
+
+# Its name until the ImageNet ResNets came: saved configs and workdirs with model='resnet' still
+# build, resume and load (`resolve`).
+MODELS.register('resnet', replaced_by='cifar_resnet')(CifarResNet)
+
+
+def resolve(name: str, sections: Mapping[str, Any]) -> tuple[str, dict]:
+  """The registered name that config.model `name` stands for and its options, from the
+  config's `model_options` `sections`: a former name (registered with `replaced_by`) stands for
+  its replacement, with its own section where the config has one (a saved config), else the
+  replacement's."""
+  replacement = MODELS.capability(name, 'replaced_by')
+  section = sections.get(name) or (sections.get(replacement) if replacement else None) or {}
+  options = section.to_dict() if hasattr(section, 'to_dict') else dict(section)
+  return replacement or name, options
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.shuffle_buffer_size = 50_000  # The whole training split: a perfect shuffle.
   config.preprocess = 'random_crop(32, pad=4)|flip_lr|random_erasing(0.25)'
   config.cutmix_alpha = 1.0
-  config.model = 'resnet'
+  config.model = 'cifar_resnet'
   config.optimizer = 'sgd_l2'
   config.learning_rate = 0.1
   config.optimizer_options.sgd_l2 = {'momentum': 0.9, 'weight_decay': 5e-4}

@@ -51,13 +51,19 @@ def get_config() -> ml_collections.ConfigDict:
   config.preprocess = ''
   # 'always': decode each split into memory once; 'never': stream it from its files (TFDS and
   # image folders) every epoch, holding only shuffle_buffer_size examples; 'auto': in memory
-  # when it fits a quarter of the machine's memory as float32, else streamed.
+  # when its uint8 images fit a quarter of the machine's memory, else streamed.
   config.in_memory = 'auto'
+  # A streamed training split with a crop op (photos of varying sizes): decoded once, shrunk to
+  # a shorter side of 1.15 x the input size, and cropped from that copy in every epoch:
+  # 'memory', 'disk' (a temporary directory), 'auto' (memory when it fits, as in_memory) or
+  # 'off' (every epoch decodes the files again).
+  config.decoded_cache = 'auto'
   config.shuffle_buffer_size = 60_000  # Shuffle buffer; >= the split's size = a perfect shuffle.
   config.input_backend = 'tf'  # Training batches from 'tf' (tf.data) or 'torch' (DataLoader).
   # Model.
-  # A registered model (models.py): 'cnn' (the flax MNIST example's), 'mlp' or 'resnet'
-  # (ResNet-20 for 32x32 colour images, see configs/cifar10.py).
+  # A registered model (models.py): 'cnn' (the flax MNIST example's), 'mlp', 'cifar_resnet'
+  # (ResNet-20 for 32x32 colour images, see configs/cifar10.py; 'resnet' is its former name) or
+  # a backbone of backbones/ ('resnet18', 'vit_small_patch16_224', ..., see configs/finetune.py).
   config.model = 'cnn'
   config.model_options = ml_collections.ConfigDict({
       'cnn': {'conv1_features': 32, 'conv2_features': 64, 'hidden_features': 256,
@@ -67,7 +73,7 @@ def get_config() -> ml_collections.ConfigDict:
       'mlp': {'hidden_features': (512, 512), 'input_scale': 1.0, 'init_stddev': 0.0},
       # Stage widths (a stage per width, each after the first at half the resolution) and
       # residual blocks per stage: 6 * blocks_per_stage + 2 layers.
-      'resnet': {'widths': (16, 32, 64), 'blocks_per_stage': 3},
+      'cifar_resnet': {'widths': (16, 32, 64), 'blocks_per_stage': 3},
   })
   # 'auto': layers written for XLA:CPU (kernels/cpu.py) on the CPU backend, flax's stock layers
   # elsewhere; 'off': always the stock layers. Both compute the same function.

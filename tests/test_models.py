@@ -14,6 +14,7 @@ from configs import cifar10
 from configs import default
 import image_folders
 from training import run_spec
+from training import workdirs
 
 
 def _create(name, image_shape=(28, 28, 1), num_classes=10, seed=0, **config_overrides):
@@ -45,7 +46,8 @@ def test_cnn_parameter_count():
 
 
 def test_resnet20_parameter_count_and_shapes():
-  model = nnx.eval_shape(lambda: _create('resnet', (32, 32, 3)))  # Shapes only: no init cost.
+  # Shapes only (no init cost).
+  model = nnx.eval_shape(lambda: _create('cifar_resnet', (32, 32, 3)))
   # stem 432 + 32; stage 1: 3 x (2 x 2,304 + 2 x 32); stage 2: 4,608 + 9,216 + 128 + shortcut
   # 512 + 64, then 2 x (2 x 9,216 + 128); stage 3: 18,432 + 36,864 + 256 + shortcut 2,048 + 128,
   # then 2 x (2 x 36,864 + 256); linear 650. ResNet-20's 0.27M (He et al. 2016).
@@ -61,8 +63,8 @@ def test_resnet_cpu_layers_compute_the_stock_function(image_shape=(28, 28, 1)):
   """Narrow and shallow (for test time), but with every kind of block: plain, downsampling
   (a stride-2 convolution, which the CPU layer runs as the stock one does)."""
   def create(cpu_kernels):
-    return _create('resnet', image_shape, num_classes=7, cpu_kernels=cpu_kernels,
-                   model_options={'resnet': {'widths': (4, 8), 'blocks_per_stage': 2}})
+    return _create('cifar_resnet', image_shape, num_classes=7, cpu_kernels=cpu_kernels,
+                   model_options={'cifar_resnet': {'widths': (4, 8), 'blocks_per_stage': 2}})
   stock, cpu = create('off'), create('auto')
   assert [block.conv2.kernel.shape for block in cpu.blocks] == [(3, 3, 4, 4)] * 2 + [
       (3, 3, 8, 8)] * 2
@@ -135,6 +137,48 @@ def test_cnn_eval_mode_is_deterministic_and_freezes_batch_stats():
   np.testing.assert_array_equal(model.batch_norm1.mean[...], mean_before)
 
 
+def test_resnet_is_the_former_name_of_cifar_resnet_and_says_so(caplog):
+  """'resnet' (before the ImageNet resnet18/34/50) builds the same model, with its own section
+  where a saved config has one, else cifar_resnet's; one line names the new name."""
+  shapes = lambda model: jax.tree.map(jnp.shape, nnx.state(model))
+  new = nnx.eval_shape(lambda: _create('cifar_resnet', (32, 32, 3)))
+  with caplog.at_level('WARNING'):
+    old = nnx.eval_shape(lambda: _create('resnet', (32, 32, 3)))
+  assert shapes(old) == shapes(new)
+  assert [record for record in caplog.records if 'cifar_resnet' in record.getMessage()]
+  narrow = default.get_config()
+  narrow.model = 'resnet'
+  narrow.model_options.resnet = {'widths': (4, 8), 'blocks_per_stage': 1}
+  model = nnx.eval_shape(lambda: run_spec.resolve(narrow).model.build((16, 16, 3), 10,
+                                                                      nnx.Rngs(0)))
+  assert len(model.blocks) == 2 and model.linear.kernel.shape == (8, 10)
+
+
+def _saved_before_the_rename() -> dict:
+  """configs/cifar10.py's settings as a workdir saved them when the model was 'resnet'."""
+  settings = run_spec.resolve(cifar10.get_config()).settings
+  options = settings['model_options']
+  return {**settings, 'model': 'resnet',
+          'model_options': {'cnn': options['cnn'], 'mlp': options['mlp'],
+                            'resnet': options['cifar_resnet']}}
+
+
+def test_a_workdir_saved_with_resnet_resumes_under_either_name(tmp_path):
+  workdir = str(tmp_path)
+  for model in ('cifar_resnet', 'resnet'):
+    workdirs.write_json(f'{workdir}/{workdirs.CONFIG_FILE}', _saved_before_the_rename())
+    config = cifar10.get_config()
+    config.model = model
+    workdirs.check_resume_config(run_spec.resolve(config).settings, workdir, has_checkpoint=True)
+  # Another model is still refused.
+  workdirs.write_json(f'{workdir}/{workdirs.CONFIG_FILE}', _saved_before_the_rename())
+  config = cifar10.get_config()
+  config.model_options.cifar_resnet.blocks_per_stage = 2
+  with pytest.raises(errors.ConfigError) as error:
+    workdirs.check_resume_config(run_spec.resolve(config).settings, workdir, has_checkpoint=True)
+  assert error.value.key == 'model_options.cifar_resnet.blocks_per_stage'
+
+
 def test_unknown_model_and_option_are_config_errors_naming_the_key():
   with pytest.raises(errors.ConfigError) as error:
     _create('resnet5000')
@@ -156,7 +200,7 @@ def test_cifar10_recipe_trains_on_generated_colour_images(tmp_path):
   config.update(dict(data_source='folder', dataset=root, eval_split='test', batch_size=16,
                      eval_batch_size=24, num_epochs=5, learning_rate=0.05,
                      evaluators='loss|accuracy'))
-  config.model_options.resnet.update(widths=(8, 16, 32), blocks_per_stage=1)
+  config.model_options.cifar_resnet.update(widths=(8, 16, 32), blocks_per_stage=1)
   metrics = train.train_and_evaluate(run_spec.resolve(config), str(tmp_path / 'workdir'))
   assert metrics['eval/accuracy'] >= 0.6, metrics  # 3 classes: chance is 1/3.
   assert metrics['train/loss_epoch'] < np.log(3), metrics

@@ -50,6 +50,7 @@ _NON_NEGATIVE = ('early_stopping_patience', 'profile_steps', 'precise_bn_batches
 # config.eval_batch_size=None: this many training batches per eval step, at most the cap.
 EVAL_BATCHES_PER_STEP, EVAL_BATCH_CAP = 4, 1000
 _CHOICES = {'in_memory': input_pipeline.IN_MEMORY, 'input_backend': input_pipeline.INPUT_BACKENDS,
+            'decoded_cache': input_pipeline.DECODED_CACHE,
             'nonfinite': optimizers.NONFINITE, 'eval_tta': (None, *calibration.TTA_CHOICES),
             'temperature_scaling': (False, True), 'linear_probe': (False, True)}
 _EVALUATION_KEYS = ('split', 'evaluators', 'preprocess', 'every')
@@ -266,7 +267,8 @@ def _input(config: ml_collections.ConfigDict,
   return input_pipeline.Input(
       source=lambda: source(config.dataset, config.data_dir), can_stream=can_stream,
       preprocess=preprocess, train_split=config.train_split, in_memory=config.in_memory,
-      shuffle_buffer_size=config.shuffle_buffer_size, backend=config.input_backend,
+      decoded_cache=config.decoded_cache, shuffle_buffer_size=config.shuffle_buffer_size,
+      backend=config.input_backend,
       seed=config.seed, num_epochs=config.num_epochs, mixup_alpha=config.mixup_alpha,
       cutmix_alpha=config.cutmix_alpha, unmixed_last_epochs=config.unmixed_last_epochs)
 
@@ -274,8 +276,11 @@ def _input(config: ml_collections.ConfigDict,
 def _model(config: ml_collections.ConfigDict) -> models.ModelSpec:
   # Checks the values only: a named backend keeps JAX (and its accelerators) unstarted.
   kernels.select_layers(config.cpu_kernels, backend='cpu', compute_dtype=config.compute_dtype)
-  return models.ModelSpec(config.model,
-                          models.MODELS.bind(config.model, _options(config, 'model')),
+  name, options = models.resolve(config.model, config.model_options)
+  if name != config.model:
+    logging.warning("config.model=%r is the former name of %r, the same model: use %r.",
+                    config.model, name, name)
+  return models.ModelSpec(name, models.MODELS.bind(name, options),
                           cpu_kernels=config.cpu_kernels, compute_dtype=config.compute_dtype)
 
 

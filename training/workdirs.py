@@ -22,6 +22,7 @@ import ml_collections
 
 from core import errors
 from data_sources import base
+import models
 
 LOCK_FILE = 'lock'
 CONFIG_FILE = 'config.json'
@@ -121,6 +122,15 @@ def _flat(settings: dict) -> dict:
   return parameter_overview.flatten_dict(json.loads(json.dumps(settings)), delimiter='.')
 
 
+def _model_settings(settings: dict) -> dict:
+  """`settings` with `model` the registered name it stands for and `model_options` its section
+  alone (models.resolve): a former model name, or options of models not trained, change nothing."""
+  if 'model' not in settings:
+    return settings
+  name, options = models.resolve(settings['model'], settings.get('model_options') or {})
+  return {**settings, 'model': name, 'model_options': {name: options}}
+
+
 def check_resume_config(settings: dict, workdir: str, has_checkpoint: bool) -> None:
   """Compares the run's `settings` (its config as JSON values) with the config the workdir's
   checkpoints were trained with.
@@ -133,7 +143,7 @@ def check_resume_config(settings: dict, workdir: str, has_checkpoint: bool) -> N
   path = os.path.join(workdir, CONFIG_FILE)
   old_config = saved_config(workdir) if has_checkpoint else None
   if old_config is not None:
-    old, flat_new = _flat(old_config.to_dict()), _flat(settings)
+    old, flat_new = _flat(_model_settings(old_config.to_dict())), _flat(_model_settings(settings))
     changed = sorted(key for key in old.keys() | flat_new.keys()
                      if old.get(key) != flat_new.get(key))
     if fixed := [key for key in changed if key.split('.')[0] in FIXED_ON_RESUME]:
