@@ -1,0 +1,143 @@
+"""When fine-tuning pays at photo size: a backbone pretrained by this app on one generated photo
+task, then linear probing and full fine-tuning on another (other classes), against the same
+recipe from scratch at equal steps.
+
+    python -m benchmarks.fine_tuning --work=/tmp/fine_tuning [--model=resnet18] [--size=112]
+        [--pretrain_epochs=4] [--epochs=4] [--out=docs/fine_tuning_runs.json]
+
+Folders (`tests/image_folders.make_kind_folder`, 180-320 px, PNG/JPEG/BMP/GIF, a fifth
+grayscale, no damaged files): the source task, digits (10 classes, `--source_images` to train
+on, `--test_images` per class... to test), and the target task, shapes in random colours (4
+classes), another seed; each with its own test split written by another seed of the same
+generator. Every run is `main.py --config=configs/finetune.py` with `train_split=train`,
+`eval_split=test` and one preprocessing for all arms (`--size`: a random resized crop of the
+decoded photo, flipped, ImageNet-normalised; eval the shorter side to size/0.875 and the centre
+crop):
+  pretrain   the model from scratch on the source task (`--pretrain_epochs`);
+  scratch    the target task from scratch (`--epochs`);
+  finetune   the same, `--config.init_from=<pretrain workdir>` (the new head by its shape);
+  probe      the same with `--config.linear_probe=True --config.learning_rate=0.01`;
+  random_probe  a linear probe on the random features of a fresh model (no init_from).
+Prints a table (held-out accuracy after the last epoch, its steps, the run's wall time start-up
+included) and writes `--out` (JSON: the figures, the commands, the machine).
+"""
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tests'))
+import image_folders  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string('work', None, 'Where the folders and the runs go.')
+flags.DEFINE_string('model', 'resnet18', 'A registered backbone that declares its layers.')
+flags.DEFINE_integer('size', 112, 'The model input: crops of the 180-320 px photos.')
+flags.DEFINE_string('source', 'digits', 'The pretraining task (a kind of image_folders.KINDS).')
+flags.DEFINE_string('target', 'shapes', 'The target task (another kind).')
+flags.DEFINE_integer('source_images', 600, 'Training images of the source task.')
+flags.DEFINE_integer('target_images', 400, 'Training images of the target task.')
+flags.DEFINE_integer('test_images', 200, 'Test images of each task.')
+flags.DEFINE_integer('pretrain_epochs', 4, 'Epochs of pretraining.')
+flags.DEFINE_integer('epochs', 4, 'Epochs of every target run.')
+flags.DEFINE_list('arms', ['scratch', 'finetune', 'probe', 'random_probe'], 'Target runs.')
+flags.DEFINE_string('out', None, 'A JSON file for the figures (optional).')
+flags.mark_flags_as_required(['work'])
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PHOTO_SIZES = (180, 320)
+# The target arms: their flags on top of the common ones ({pretrained}: the pretrain workdir).
+ARMS = {'scratch': [],
+        'finetune': ['--config.init_from={pretrained}'],
+        'probe': ['--config.init_from={pretrained}', '--config.linear_probe=True',
+                  '--config.learning_rate=0.01'],
+        'random_probe': ['--config.linear_probe=True', '--config.learning_rate=0.01']}
+
+
+def make_task(root: str, kind: str, seed: int, train_images: int, test_images: int) -> None:
+  """root/train and root/test of generated photos; the test images from another seed."""
+  if os.path.isdir(root):
+    return
+  image_folders.make_kind_folder(root, kind, seed=seed, num_images=train_images,
+                                 image_sizes=PHOTO_SIZES, messy=False)
+  scratch = root + '.test'
+  image_folders.make_kind_folder(scratch, kind, seed=seed + 100, num_images=test_images,
+                                 image_sizes=PHOTO_SIZES, messy=False)
+  os.rename(os.path.join(scratch, 'train'), os.path.join(root, 'test'))
+  os.rmdir(scratch)
+
+
+def command(root: str, workdir: str, epochs: int, extra: list[str]) -> list[str]:
+  """The main.py run of configs/finetune.py on `root` with the common overrides."""
+  return [sys.executable, os.path.join(ROOT, 'main.py'),
+          f'--config={os.path.join(ROOT, "configs", "finetune.py")}', f'--workdir={workdir}',
+          f'--config.dataset={root}', '--config.train_split=train', '--config.eval_split=test',
+          f'--config.model={FLAGS.model}', f'--config.num_epochs={epochs}',
+          f'--config.preprocess=random_resized_crop({FLAGS.size}, scale=(0.35, 1.0))|flip_lr|normalize("imagenet")',
+          '--config.evaluators=loss|accuracy', *extra]
+
+
+def last_eval(workdir: str) -> dict:
+  """The held-out accuracy after the last epoch and its step, from the run's metrics.jsonl."""
+  last = {}
+  with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as file:
+    for line in file:
+      record = json.loads(line)
+      if 'eval/accuracy' in record:
+        last = {'accuracy': record['eval/accuracy'], 'steps': record['step']}
+  return last
+
+
+def run(name: str, root: str, epochs: int, extra: list[str]) -> dict:
+  """Trains one arm in <work>/runs/<name> (a fresh workdir); its figures and command."""
+  workdir = os.path.join(FLAGS.work, 'runs', name)
+  shutil.rmtree(workdir, ignore_errors=True)
+  args = command(root, workdir, epochs, extra)
+  started = time.time()
+  with open(workdir + '.log', 'w', encoding='utf-8') as log:
+    subprocess.run(args, check=True, stdout=log, stderr=subprocess.STDOUT)
+  figures = {'arm': name, **last_eval(workdir), 'epochs': epochs,
+             'wall_s': round(time.time() - started, 1),
+             'command': ' '.join(args).replace(sys.executable, 'python')}
+  print(json.dumps(figures), flush=True)
+  return figures
+
+
+def main(argv):
+  del argv
+  os.makedirs(os.path.join(FLAGS.work, 'runs'), exist_ok=True)
+  source = os.path.join(FLAGS.work, FLAGS.source)
+  target = os.path.join(FLAGS.work, FLAGS.target)
+  make_task(source, FLAGS.source, 0, FLAGS.source_images, FLAGS.test_images)
+  make_task(target, FLAGS.target, 1, FLAGS.target_images, FLAGS.test_images)
+  pretrained = os.path.join(FLAGS.work, 'runs', 'pretrain')
+  rows = [run('pretrain', source, FLAGS.pretrain_epochs, [])]
+  for arm in FLAGS.arms:
+    rows.append(run(arm, target, FLAGS.epochs,
+                    [flag.format(pretrained=pretrained) for flag in ARMS[arm]]))
+  print(f'\n{FLAGS.model} at {FLAGS.size} px; source {FLAGS.source} ({FLAGS.source_images} '
+        f'images), target {FLAGS.target} ({FLAGS.target_images}); {FLAGS.test_images} test '
+        'images each')
+  print('| run | task | held-out accuracy | steps | wall time (s) |\n| --- | --- | --- | --- | --- |')
+  for row in rows:
+    task = FLAGS.source if row['arm'] == 'pretrain' else FLAGS.target
+    print(f'| {row["arm"]} | {task} | {100 * row["accuracy"]:.2f}% | {row["steps"]} | '
+          f'{row["wall_s"]:.0f} |')
+  if FLAGS.out:
+    with open(FLAGS.out, 'w', encoding='utf-8') as file:
+      json.dump({'model': FLAGS.model, 'size': FLAGS.size, 'source': FLAGS.source,
+                 'target': FLAGS.target, 'source_images': FLAGS.source_images,
+                 'target_images': FLAGS.target_images, 'test_images': FLAGS.test_images,
+                 'machine': f'{platform.processor() or platform.machine()}, '
+                            f'{os.cpu_count()} cores',
+                 'runs': rows}, file, indent=2)
+
+
+if __name__ == '__main__':
+  app.run(main)
