@@ -12,20 +12,25 @@ window is drawn from (seed, epoch, the image's place in the epoch's order).
 
 Training examples go through tf.data as map (decode and resize, once for a split in memory, on
 every pass when streamed) -> shuffle -> batch -> prefetch, where each batch is also mapped, as
-it is made, through the preprocessing's random ops and scaling (vectorised over the batch; the
-shuffle buffer holds uint8, a quarter of the memory). With `config.input_backend='torch'` a
+it is made, through the preprocessing's random ops (vectorised over the batch). Batches leave
+the host as uint8 (unless a random op or Mixup computes new pixel values: `Input.image_dtype`)
+and are scaled on the devices, inside the compiled steps (`Preprocessing.scale`): the host does
+less and sends a quarter of the bytes. With `config.input_backend='torch'` a
 torch DataLoader shuffles and batches instead, and tf.data maps its batches the same way. Every
 epoch has its own shuffle order (and file order, when streamed) and augmentation draws, derived
 from the run's seed, so a run can restart at any step and see the same data. Eval batches get
-the deterministic stages only, padded to equal sizes with a mask, and go to the devices one at
-a time. `batch_layout` is the one description of a batch's arrays, for compiling ahead.
+the deterministic stages only (uint8), padded to equal sizes with a mask, and go to the devices
+one at a time. `batch_layout` is the one description of a batch's arrays, for compiling ahead.
 """
 
+import atexit
 from collections.abc import Callable, Iterator
 import dataclasses
 import functools
 import math
 import os
+import shutil
+import tempfile
 from typing import NamedTuple
 
 from absl import logging
@@ -38,12 +43,19 @@ from core import errors
 from data_sources import base
 import preprocessing
 from preprocessing import mix
+from preprocessing import resize as resize_ops
 
 Batch = dict[str, np.ndarray]
 IN_MEMORY = ('auto', 'always', 'never')
+DECODED_CACHE = ('auto', 'memory', 'disk', 'off')
+# The decoded cache holds images with the shorter side at most this many times the model's
+# input size: room for the crop op's windows at little more than a copy at the input size.
+CACHE_SIDE = 1.15
 INPUT_BACKENDS = ('tf', 'torch')
-# in_memory='auto' keeps a split in memory when 4 bytes per pixel (the float32 copy of a batch
-# on its way to the devices, as the eval batches are kept) fit in this share of physical memory.
+# in_memory='auto' keeps a split in memory when its uint8 pixels, at the size it holds them (a
+# training split with a crop op: before the crop), fit in this share of physical memory. Batches
+# leave the host as uint8 too, so no float32 copy is held; an eval split in memory is held
+# twice (the split, and its batches kept for every pass), which the share leaves room for.
 MEMORY_SHARE = 0.25
 _MAP_BLOCK = 1024  # Examples resized per tf.data map call.
 _PREFETCH_BATCHES = 2  # Training batches prepared ahead of the train loop.
@@ -57,6 +69,10 @@ class Input:
 
   `in_memory`: 'always' decodes each split into memory once, 'never' streams it from its files
   on every pass, 'auto' keeps it in memory when it fits `MEMORY_SHARE` of the machine's memory.
+  `decoded_cache`: for a streamed training split with a crop op, the images decoded once and
+  shrunk (shorter side `CACHE_SIDE` x the input size), kept in memory ('memory'), written once
+  to a temporary directory ('disk'), 'auto' (in memory when it fits `MEMORY_SHARE` and
+  `in_memory` is not 'never', else on disk), or 'off': every epoch decodes the files again.
   Mixing (Mixup/CutMix, soft targets) is on when an alpha is, but in the last
   `unmixed_last_epochs` epochs.
   """
@@ -65,6 +81,7 @@ class Input:
   preprocess: preprocessing.Preprocessing
   train_split: str = 'train'
   in_memory: str = 'auto'
+  decoded_cache: str = 'auto'
   shuffle_buffer_size: int = 60_000
   backend: str = 'tf'  # 'tf' (tf.data) or 'torch' (a DataLoader shuffles and batches).
   seed: int = 0
@@ -77,6 +94,12 @@ class Input:
   def mixes(self) -> bool:
     """Whether training batches are mixed (Mixup or CutMix), with soft targets."""
     return bool(self.mixup_alpha or self.cutmix_alpha)
+
+  @property
+  def image_dtype(self) -> type:
+    """The dtype of training batches' images: uint8, or float32 in [0, 1] when a random op
+    computes new pixel values (`Preprocessing.keeps_uint8`) or batches are mixed."""
+    return np.uint8 if self.preprocess.keeps_uint8 and not self.mixes else np.float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,13 +156,15 @@ def open_data(inputs: Input, eval_splits: dict[str, EvalSplit]) -> Data:
   return Data(source, inputs.preprocess, info, eval_sizes)
 
 
-def batch_layout(info: base.DatasetInfo, batch_size: int, *, targets: bool = False,
+def batch_layout(info: base.DatasetInfo, batch_size: int, *, train: Input | None = None,
                  mask: bool = False) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-  """{name: (shape, dtype)} of a batch of `batch_size`: the layout `train_batches` (with
-  soft `targets` when it mixes) and `eval_batches` (with `mask`) give, for compiling ahead."""
-  layout = {'image': ((batch_size, *info.image_shape), np.float32),
+  """{name: (shape, dtype)} of a batch of `batch_size`, for compiling ahead: the layout
+  `train_batches` gives for `train` (its `image_dtype`, soft targets when it mixes), or without
+  it the one `eval_batches` gives (uint8 images, with `mask`)."""
+  image_dtype = np.uint8 if train is None else train.image_dtype
+  layout = {'image': ((batch_size, *info.image_shape), image_dtype),
             'label': ((batch_size,), np.int32)}
-  if targets:
+  if train is not None and train.mixes:
     layout['target'] = ((batch_size, info.num_classes), np.float32)
   if mask:
     layout['mask'] = ((batch_size,), np.bool_)
@@ -197,7 +222,8 @@ def open_split(data: Data, split: base.SplitArg, inputs: Input,
                  num_examples, ': its crop op cuts images of varying sizes as they are decoded'
                  if None in held_shape else '')
     return Streamed(lambda seed: resized(source.examples(split, seed)), num_examples, image_shape,
-                    cropped=_cropped(source, split, preprocess, held_shape)
+                    cropped=_cropped(source, split, preprocess, held_shape,
+                                     _decoded_cache(inputs, split, num_examples, image_shape))
                     if training_crop else None)
   prepare = preprocess.before_crop if training_crop else preprocess.resize
   if None in source.image_shape[:2]:  # Images of varying sizes: resized as they are decoded.
@@ -212,10 +238,20 @@ def open_split(data: Data, split: base.SplitArg, inputs: Input,
 
 def _cropped(source: base.DataSource, split: base.SplitArg,
              preprocess: preprocessing.Preprocessing,
-             held_shape: tuple[int | None, int | None, int]
-             ) -> Callable[[int], tf.data.Dataset]:
+             held_shape: tuple[int | None, int | None, int],
+             cache: '_Cache | None') -> Callable[[int], tf.data.Dataset]:
   """`Streamed.cropped` of `split`: the source cuts the windows as it decodes, unless image ops
-  come before the crop op (then its windows are cut from their images)."""
+  come before the crop op (then its windows are cut from their images), or unless there is a
+  decoded `cache`: then every epoch's windows are cut from the cached copies, the files decoded
+  only while the first epoch fills it."""
+  if cache is not None:
+    cached = source.examples(split).map(
+        lambda example: {**example, 'image': _shrunk(preprocess.before_crop(example['image']),
+                                                     cache.side)},
+        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).cache(cache.filename)
+    # The epoch's order comes before the crops: each window is drawn from the image's place.
+    return lambda seed: preprocess.crops(seed).each(
+        cached.shuffle(cache.shuffle_buffer, seed=seed))
 
   def cropped(seed: int) -> tf.data.Dataset:
     crops = preprocess.crops(seed)
@@ -229,15 +265,61 @@ def _cropped(source: base.DataSource, split: base.SplitArg,
   return cropped
 
 
+def _shrunk(image: tf.Tensor, side: int) -> tf.Tensor:
+  """A uint8 image with its shorter side at most `side` (the aspect ratio kept)."""
+  return tf.cond(tf.reduce_min(tf.shape(image)[:2]) > side,
+                 lambda: resize_ops.resize_images(
+                     image, resize_ops.fitted_size(image, side, cover=True)),
+                 lambda: image)
+
+
+class _Cache(NamedTuple):
+  """A decoded cache: tf.data's cache file name ('' in memory), the shorter side of its
+  images, and the shuffle buffer of each epoch's order (perfect in memory, where the buffer
+  holds references to the cached images; `shuffle_buffer_size` images on disk)."""
+  filename: str
+  side: int
+  shuffle_buffer: int
+
+
+def _decoded_cache(inputs: Input, split: base.SplitArg, num_examples: int,
+                   image_shape: tuple[int, int, int]) -> _Cache | None:
+  """The decoded cache of a streamed training split, as `inputs.decoded_cache` says, or None.
+  Its size is estimated at 4:3 images (the cached images' sizes are known once decoded)."""
+  if inputs.decoded_cache == 'off':
+    return None
+  side = math.ceil(CACHE_SIDE * max(image_shape[:2]))
+  size = num_examples * side * math.ceil(side * 4 / 3) * image_shape[2]
+  in_memory = inputs.decoded_cache == 'memory' or (
+      inputs.decoded_cache == 'auto' and inputs.in_memory != 'never'
+      and size <= _memory_budget())
+  if in_memory:
+    filename = ''
+  else:  # tf.data writes the cache while the first epoch reads it; removed at exit.
+    folder = tempfile.mkdtemp(prefix='decoded_cache_')
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    filename = os.path.join(folder, 'images')
+  logging.info("decoded_cache=%r: split %r decoded once, shorter side at most %d px (about %.0f "
+               'MB as uint8), kept %s; the crops of every epoch are cut from that copy.',
+               inputs.decoded_cache, split, side, size / 2**20,
+               'in memory' if in_memory else f'on disk in {os.path.dirname(filename)}')
+  return _Cache(filename, side, num_examples if in_memory else inputs.shuffle_buffer_size)
+
+
+def _memory_budget() -> float:
+  """Bytes that in_memory='auto' (and decoded_cache='auto') may hold: `MEMORY_SHARE`."""
+  return MEMORY_SHARE * os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+
+
 def _in_memory(inputs: Input, split: base.SplitArg, num_examples: int,
                image_shape: tuple[int, int, int]) -> bool:
   if inputs.in_memory != 'auto' or not inputs.can_stream or inputs.backend == 'torch':
     return inputs.in_memory != 'never'
-  size = num_examples * math.prod(image_shape) * 4
-  budget = MEMORY_SHARE * os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
-  logging.info("in_memory='auto': split %r takes %.0f MB as float32, %s %.0f MB (%.0f%% of "
-               'memory): %s.', split, size / 2**20, 'within' if size <= budget else 'over',
-               budget / 2**20, MEMORY_SHARE * 100,
+  size = num_examples * math.prod(image_shape)  # uint8: a byte a value.
+  budget = _memory_budget()
+  logging.info("in_memory='auto': split %r takes %.0f MB as uint8 %s images, %s %.0f MB "
+               '(%.0f%% of memory): %s.', split, size / 2**20, 'x'.join(map(str, image_shape)),
+               'within' if size <= budget else 'over', budget / 2**20, MEMORY_SHARE * 100,
                'in memory' if size <= budget else 'streamed from its files')
   return size <= budget
 
@@ -261,9 +343,10 @@ def train_batches(split: base.Split | Streamed, data: Data, inputs: Input, batch
                   augment: bool = True) -> Iterator[Batch]:
   """Yields training batches from batch `start_step` of `start_epoch` to the end of the run.
 
-  Each batch is {'image': (batch_size, H, W, C) float32, 'label': (batch_size,) int32},
-  preprocessed for training, and with Mixup or CutMix 'target': (batch_size, classes) float32
-  soft targets; an incomplete final batch of an epoch is dropped (static shapes).
+  Each batch is {'image': (batch_size, H, W, C) `inputs.image_dtype`, 'label': (batch_size,)
+  int32}, through the random ops (the scale stage is the compiled step's), and with Mixup or
+  CutMix 'target': (batch_size, classes) float32 soft targets; an incomplete final batch of an
+  epoch is dropped (static shapes).
   Every epoch is shuffled and augmented from its own seed (`epoch_seed`), so resuming at any
   step gives the same batches as the uninterrupted run. Without `augment`, the same examples
   in the same order come as eval sees images: no random ops, no mixing.
@@ -296,12 +379,13 @@ def train_batches(split: base.Split | Streamed, data: Data, inputs: Input, batch
 
     def prepare(index: tf.Tensor, batch: dict[str, tf.Tensor], seed=seed, epoch=epoch) -> Batch:
       if not augment:
-        return {'image': data.preprocess.eval_batch(batch['image']), 'label': batch['label']}
+        return batch
       seeds = tf.stack([tf.constant(seed, tf.int64), index])
       prepared = {'image': data.preprocess.train_batch(batch['image'], seeds),
                   'label': batch['label']}
       if not inputs.mixes:
         return prepared
+      prepared['image'] = data.preprocess.unit(prepared['image'])  # Mixup blends in float32.
       if epoch < inputs.num_epochs - inputs.unmixed_last_epochs:
         prepared['image'], prepared['target'] = mix.mix(
             prepared['image'], batch['label'], data.info.num_classes,
@@ -362,12 +446,11 @@ def open_eval_batches(data: Data, inputs: Input, split: str, num_examples: int,
   preprocess = preprocess or data.preprocess
   local_batch = batch_size // jax.process_count()
   largest_slice = -(-num_examples // jax.process_count())
-  return eval_batches(open_split(data, process_split(split), inputs, preprocess), preprocess,
-                      local_batch, -(-largest_slice // local_batch), place)
+  return eval_batches(open_split(data, process_split(split), inputs, preprocess), local_batch,
+                      -(-largest_slice // local_batch), place)
 
 
-def eval_batches(split: base.Split | Streamed, preprocess: preprocessing.Preprocessing,
-                 batch_size: int, num_batches: int | None = None,
+def eval_batches(split: base.Split | Streamed, batch_size: int, num_batches: int | None = None,
                  place: Callable[[Batch], Batch] = lambda batch: batch) -> 'EvalBatches':
   """The whole split as equal-sized batches, each example exactly once, prepared for eval.
 
@@ -379,16 +462,16 @@ def eval_batches(split: base.Split | Streamed, preprocess: preprocessing.Preproc
   num_examples = split.num_examples if isinstance(split, Streamed) else len(split.labels)
   pad = (num_batches * batch_size - num_examples if num_batches is not None
          else -num_examples % batch_size)
-  return EvalBatches(split, preprocess, batch_size, pad, place)
+  return EvalBatches(split, batch_size, pad, place)
 
 
 class EvalBatches:
   """The eval batches of a split, an iterable: an in-memory split's batches are kept on the
   host and placed one by one on every pass; a streamed split is read again on every pass."""
 
-  def __init__(self, split: base.Split | Streamed, preprocess: preprocessing.Preprocessing,
-               batch_size: int, pad: int, place: Callable[[Batch], Batch]):
-    self._split, self._preprocess, self._place = split, preprocess, place
+  def __init__(self, split: base.Split | Streamed, batch_size: int, pad: int,
+               place: Callable[[Batch], Batch]):
+    self._split, self._place = split, place
     self._batch_size, self._pad = batch_size, pad
     if not isinstance(split, Streamed):
       self._host_batches = list(self._batches().as_numpy_iterator())
@@ -405,9 +488,7 @@ class EvalBatches:
     padding = tf.data.Dataset.from_tensors({
         'image': tf.zeros(image_shape, tf.uint8), 'label': tf.constant(0, tf.int32),
         'mask': tf.constant(False)}).repeat(self._pad)
-    return (real.concatenate(padding).batch(self._batch_size)
-            .map(lambda batch: {**batch, 'image': self._preprocess.eval_batch(batch['image'])})
-            .prefetch(_PREFETCH_EVAL))
+    return real.concatenate(padding).batch(self._batch_size).prefetch(_PREFETCH_EVAL)
 
   def __iter__(self) -> Iterator[Batch]:
     batches = (self._host_batches if not isinstance(self._split, Streamed)

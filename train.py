@@ -183,9 +183,10 @@ def _compile(session: Session, state: state_lib.TrainState, class_counts):
   `class_counts()` gives the training examples of each class, for losses that need them."""
   logging.info('Compiling the train and eval steps.')
   run, info = session.run, session.data.info
-  train_step = state_lib.make_train_step(run.loss(info.num_classes, class_counts))
+  train_step = state_lib.make_train_step(run.loss(info.num_classes, class_counts),
+                                         run.input.preprocess)
   train_step.lower(state, parallel.abstract_batch(
-      input_pipeline.batch_layout(info, run.batch_size, targets=run.input.mixes),
+      input_pipeline.batch_layout(info, run.batch_size, train=run.input),
       session.mesh)).compile()
   eval_layout = parallel.abstract_batch(
       input_pipeline.batch_layout(info, session.eval_batch_size, mask=True), session.mesh)
@@ -226,10 +227,10 @@ def _epoch_tail(session: Session, train_split, steps_per_epoch: int, epoch: int)
   """The images of the last run.precise_bn_batches training batches of `epoch`, as eval
   prepares images (no random ops, no mixing): the statistics are for the eval images."""
   start = max(steps_per_epoch - session.run.precise_bn_batches, 0)
-  return map(session.place, itertools.islice(input_pipeline.train_batches(
+  return state_lib.scaled(map(session.place, itertools.islice(input_pipeline.train_batches(
       train_split, session.data, session.run.input,
       parallel.local_batch_size(session.run.batch_size), epoch, start, augment=False),
-      steps_per_epoch - start))
+      steps_per_epoch - start)), session.data.preprocess)
 
 
 def _resume(session: Session, loop: hooks.Loop, run_hooks: hooks.Hooks) -> None:
@@ -281,7 +282,8 @@ def _fit_temperature(session: Session, loop: hooks.Loop) -> None:
   scored = session.run.evaluation('eval')
   step = session.checkpoints.restore(loop.state, 'best')
   fit = calibration.fit_temperature(*calibration.collect_logits(
-      loop.state.eval_model(), _eval_batches(session, scored)))
+      loop.state.eval_model(), state_lib.scaled(_eval_batches(session, scored),
+                                                scored.preprocess)))
   if jax.process_index() == 0:
     path = calibration.save_temperature(session.workdir, fit, split=scored.split, step=step)
     logging.info('Temperature scaling: T=%.4f fitted on %r (best checkpoint, step %d): its NLL '

@@ -143,7 +143,8 @@ def measure_project(config) -> dict[str, float]:
       data.info.num_train_examples // run.batch_size)
   state = state_lib.create(run.model, data.info, run.optimization, schedule, seed=run.seed,
                            ema_decay=run.ema_decay)
-  train_step = state_lib.make_train_step(run.loss(data.info.num_classes))
+  train_step = state_lib.make_train_step(run.loss(data.info.num_classes),
+                                         run.input.preprocess)
   batches = (parallel.shard(batch, mesh)
              for batch in input_pipeline.train_batches(train_split, data, run.input,
                                                        run.batch_size))

@@ -9,7 +9,8 @@ the CSV's directory or absolute (a first row that names no file, such as `image,
 header). Every image is preprocessed as the eval images were: decoded as training decodes image
 folders (a GIF's first frame, EXIF orientation applied, transparency composited onto white),
 given the model's channels (a grayscale image is converted for a colour model; a colour image
-for a grayscale model is refused), resized and scaled by `config.preprocess`. Files that are not
+for a grayscale model is refused), resized by `config.preprocess` and, as uint8, scaled with the
+model in one compiled program. Files that are not
 readable JPEG/PNG/BMP/GIF images are skipped with one warning naming them.
 
 `<workdir>/predictions.csv` gets one row per image: `file,class,probability` (the class name and
@@ -22,6 +23,7 @@ in the workdir, so the training data is not needed.
 """
 
 import csv
+import functools
 import glob
 import os
 import time
@@ -35,6 +37,7 @@ import tensorflow as tf
 from core import errors
 from data_sources import folder_source
 import modes
+import preprocessing
 from training import calibration
 from training import progress
 from training import run_spec
@@ -87,9 +90,11 @@ def listed_files(path: str) -> list[str]:
   return [os.path.join(folder, entry) for entry in entries]  # An absolute entry stays itself.
 
 
-@nnx.jit
-def _probabilities(model: nnx.Module, images: jax.Array) -> jax.Array:
-  return jax.nn.softmax(model(images).astype(jax.numpy.float32))
+@functools.partial(nnx.jit, static_argnums=1)
+def _probabilities(model: nnx.Module, preprocess: preprocessing.Preprocessing,
+                   images: jax.Array) -> jax.Array:
+  """The softmax of a uint8 batch, scaled by `preprocess` in the same program."""
+  return jax.nn.softmax(model(preprocess.scale(images)).astype(jax.numpy.float32))
 
 
 class _Progress:
@@ -167,13 +172,12 @@ def predict(run: run_spec.Run, workdir: str, inputs: str | None, checkpoint: str
              .map(prepared, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
              .ignore_errors()
              .batch(run.eval_batch_size)
-             .map(lambda batch: {**batch, 'image': preprocess.eval_batch(batch['image'])})
              .prefetch(1))
   paths, probabilities = [], []
   shown = _Progress(len(headers), PROGRESS_SECONDS)
   for batch in batches.as_numpy_iterator():
     paths += [path.decode() for path in batch['path']]
-    probabilities.append(np.asarray(_probabilities(model, batch['image'])))
+    probabilities.append(np.asarray(_probabilities(model, preprocess, batch['image'])))
     shown.update(len(paths))
   decoded = set(paths)
   folder_source.warn_skipped(skipped + [header.path for header in headers

@@ -10,9 +10,16 @@ Every image is decoded to uint8, then goes through the ops in four stages, in th
      give images of any size one size;
   2. at most one `crop` op, one uint8 image at a time, before batching: `random_resized_crop`,
      a random window of the image as decoded (or as the image ops left it), resized once;
-  3. `random` ops, on float32 batches in [0, 1], training only: the augmentation;
-  4. at most one `scale` op, on float32 batches, deterministic: `normalize` or `value_range`
-     (without one, pixels stay in [0, 1]).
+  3. `random` ops, on batches, training only: the augmentation. Ops registered with
+     `uint8=True` move or mirror pixels without computing new values (`flip_lr`, `random_crop`,
+     `translate`) and run on the uint8 batch; when any other op is there (colour jitter,
+     rotation, RandAugment, ...) the batch becomes float32 in [0, 1] first and stays float32;
+  4. at most one `scale` op, deterministic: `normalize` or `value_range` (without one, pixels
+     stay in [0, 1]), on the devices, inside the compiled train and eval steps (`scale`).
+Batches therefore leave the host as uint8 (a quarter of float32's bytes) unless a random op
+computes new pixel values or Mixup blends images: then float32 in [0, 1]. Those values fall
+between uint8's levels, and rounding them back would change the images trained on by up to
+1/510 per pixel, an accuracy cost nobody has measured; so they are sent as they are.
 Training applies all four; eval, predict and the exported model apply stages 1 and 4, with the
 crop op's deterministic stand-in (its `eval_op`: for random_resized_crop, the shorter side
 resized to size / crop_pct and the centre size x size) in place of stage 2, so that every mode
@@ -45,7 +52,7 @@ _PROBE_SIZES = ((8, 12), (12, 8))
 _IMAGE_SEED_TAG = 2  # Folded into (epoch seed, index) for a crop op's seed (mix.py folds in 1).
 
 ImageOp = Callable[[tf.Tensor], tf.Tensor]  # uint8 image(s) (..., H, W, C) -> uint8 image(s)
-RandomOp = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]  # (float32 batch, seed [2]) -> batch
+RandomOp = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]  # (batch, seed [2]) -> batch
 ScaleOp = Callable[[tf.Tensor], tf.Tensor]  # float32 batch in [0, 1] -> float32 batch
 
 
@@ -101,6 +108,7 @@ class Preprocessing:
   crop_op: CropOp | None = None
   random_ops: tuple[RandomOp, ...] = ()
   scale_op: ScaleOp | None = None
+  keeps_uint8: bool = True  # Whether every random op runs on uint8 batches (stage 3).
 
   def resize(self, images: tf.Tensor, size: tuple[int, int] | None = None) -> tf.Tensor:
     """The deterministic stages 1 and 2 (the crop op's `eval_op`) on one uint8 image (H, W, C)
@@ -132,7 +140,7 @@ class Preprocessing:
     return _output_shape(self.before_crop, source_shape)
 
   def augment(self, images: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
-    """Stage 3 on a float32 batch in [0, 1]: each op with its own seed split from `seed`."""
+    """Stage 3 on a batch: each op with its own seed split from `seed`."""
     if not self.random_ops:
       return images
     seeds = tf.unstack(tf.random.experimental.stateless_split(seed, len(self.random_ops)))
@@ -140,19 +148,26 @@ class Preprocessing:
       images = op(images, op_seed)
     return images
 
-  def scale(self, images: tf.Tensor) -> tf.Tensor:
-    """uint8 -> float32 in [0, 1], then stage 4: on a TensorFlow tensor or, as well, a JAX
-    array (the scale ops are arithmetic only)."""
+  @staticmethod
+  def unit(images):
+    """uint8 images as float32 in [0, 1]; float32 images (in [0, 1] already) as they are. On a
+    TensorFlow tensor or a JAX array."""
+    if images.dtype != np.uint8:
+      return images
     if isinstance(images, tf.Tensor):
-      return self._scale_op(tf.cast(images, tf.float32) / 255.0)
-    return self._scale_op(images.astype(np.float32) / np.float32(255.0))
+      return tf.cast(images, tf.float32) / 255.0
+    return images.astype(np.float32) / np.float32(255.0)
 
-  def _scale_op(self, images: tf.Tensor) -> tf.Tensor:
+  def scale(self, images):
+    """Images as the model takes them: `unit`, then stage 4. On a TensorFlow tensor or, as
+    well, a JAX array (the scale ops are arithmetic only): inside the compiled steps."""
+    images = self.unit(images)
     return images if self.scale_op is None else self.scale_op(images)
 
   def train_batch(self, images: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
-    """A batch of resized uint8 images as the model trains on it: stages 3 and 4."""
-    return self._scale_op(self.augment(tf.cast(images, tf.float32) / 255.0, seed))
+    """A batch of uint8 images after stage 3: uint8 when every random op `keeps_uint8`, else
+    float32 in [0, 1]. `scale` makes it what the model takes."""
+    return self.augment(images if self.keeps_uint8 else self.unit(images), seed)
 
   def eval_batch(self, images: tf.Tensor) -> tf.Tensor:
     """A batch of resized uint8 images as the model is evaluated on it: stage 4."""
@@ -209,6 +224,7 @@ def parse(spec: str, key: str = _KEY) -> Preprocessing:
   fault and the valid ones."""
   ops = {stage: [] for stage in STAGES}
   last_stage = 0
+  keeps_uint8 = True
   for text, entry, op in OPS.create_calls(spec, key):
     stage = STAGES.index(entry.capabilities['stage'])
     if stage < last_stage or (stage == last_stage and STAGES[stage] in _ONE_OP_STAGES):
@@ -218,10 +234,13 @@ def parse(spec: str, key: str = _KEY) -> Preprocessing:
           'then at most one scale op: normalize or value_range).', key=key, value=spec)
     last_stage = stage
     ops[STAGES[stage]].append(op)
+    if STAGES[stage] == 'random':
+      keeps_uint8 &= entry.capabilities.get('uint8', False)
   return Preprocessing(spec, key, image_ops=tuple(ops['image']),
                        crop_op=ops['crop'][0] if ops['crop'] else None,
                        random_ops=tuple(ops['random']),
-                       scale_op=ops['scale'][0] if ops['scale'] else None)
+                       scale_op=ops['scale'][0] if ops['scale'] else None,
+                       keeps_uint8=keeps_uint8)
 
 
 # The ops' argument checks, each raising the ValueError that the registry reports as a

@@ -1,4 +1,4 @@
-"""Stage 2 ops: random augmentation of float32 training batches (batch, height, width, channels).
+"""Stage 3 ops: random augmentation of training batches (batch, height, width, channels).
 
 Each op draws independently for every image of the batch, from TensorFlow's stateless random ops
 and the seed it is given (see the package docstring):
@@ -10,6 +10,9 @@ and the seed it is given (see the package docstring):
                             (random_crop at the image's own size);
   rotate(degrees)           rotate about the centre by an angle drawn uniformly from
                             [-degrees, degrees], bilinear, filling with black.
+
+All but `rotate` only move pixels (`uint8=True`): they run on uint8 batches, which then travel
+to the devices as uint8; `rotate` interpolates, on float32 batches in [0, 1].
 """
 
 import functools
@@ -37,19 +40,19 @@ def _crop(images: tf.Tensor, seed: tf.Tensor, *, size: tuple[int, int] | None,
   return tf.gather(tf.gather(padded, rows, axis=1, batch_dims=1), columns, axis=2, batch_dims=1)
 
 
-@preprocessing.OPS.register('flip_lr', stage='random')
+@preprocessing.OPS.register('flip_lr', stage='random', uint8=True)
 def flip_lr() -> preprocessing.RandomOp:
   return tf.image.stateless_random_flip_left_right
 
 
-@preprocessing.OPS.register('random_crop', stage='random')
+@preprocessing.OPS.register('random_crop', stage='random', uint8=True)
 def random_crop(size: int, pad: int = 0) -> preprocessing.RandomOp:
   preprocessing.check_int('size', size, 1)
   preprocessing.check_int('pad', pad, 0)
   return functools.partial(_crop, size=(size, size), pad=pad)
 
 
-@preprocessing.OPS.register('translate', stage='random')
+@preprocessing.OPS.register('translate', stage='random', uint8=True)
 def translate(pixels: int) -> preprocessing.RandomOp:
   preprocessing.check_int('pixels', pixels, 1)
   return functools.partial(_crop, size=None, pad=pixels)

@@ -1,7 +1,8 @@
-"""Stage 3 ops: the pixel values the model takes, from float32 images in [0, 1].
+"""Stage 4 ops: the pixel values the model takes, from float32 images in [0, 1].
 
-Each op is arithmetic with NumPy constants, so it runs on TensorFlow tensors (the input
-pipeline) and on JAX arrays alike (inside a compiled step, or a model exported through JAX).
+Each op is arithmetic with NumPy constants, so it runs on JAX arrays (inside the compiled train
+and eval steps, which take uint8 batches, and a model exported through JAX) and on TensorFlow
+tensors alike.
 """
 
 from collections.abc import Sequence

@@ -3,6 +3,7 @@ streaming, data errors."""
 
 import os
 
+import jax
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
@@ -42,7 +43,9 @@ def _with(config, **changes):
 
 
 def _batches(split, config, start_epoch=0, start_step=0, augment=True):
-  data = input_pipeline.Data(None, preprocessing.parse(config.preprocess), None)
+  # Labels are example ids (below 2000 here): as many classes, for Mixup's targets.
+  info = base.DatasetInfo('test', (), 2000, 0, 0)
+  data = input_pipeline.Data(None, preprocessing.parse(config.preprocess), info)
   return list(input_pipeline.train_batches(split, data, run_spec.resolve(config).input, config.batch_size, start_epoch,
                                            start_step, augment))
 
@@ -53,19 +56,30 @@ def _epoch_orders(split, config):
   return ids.reshape(config.num_epochs, -1)
 
 
-def test_train_batch_layout_and_values():
+def test_train_batches_leave_the_host_as_batch_layout_says():
+  """uint8 images (the source's pixels) unless a random op computes new pixel values or Mixup
+  blends: then float32 in [0, 1]; `batch_layout` says which, and the scale stage (run by the
+  compiled steps on JAX arrays) gives the model's values."""
   split = _split(100)
-  batches = _batches(split, _config())
-  assert len(batches) == 24  # 100 // 8 = 12 batches per epoch, 2 epochs.
-  for batch in batches:
-    assert batch['image'].shape == (8, 6, 5, 1) and batch['image'].dtype == np.float32
-    assert batch['label'].shape == (8,) and batch['label'].dtype == np.int32
-    assert 0.0 <= batch['image'].min() and batch['image'].max() <= 1.0
-    # Each image is its uint8 source scaled to [0, 1].
-    np.testing.assert_allclose(batch['image'] * 255.0, split.images[batch['label']], atol=1e-4)
-  normalized = _batches(split, _config(preprocess='normalize(0.5, 0.25)'))
-  for batch, plain in zip(normalized, batches):
-    np.testing.assert_allclose(batch['image'], (plain['image'] - 0.5) / 0.25, atol=1e-5)
+  info = base.DatasetInfo('test', (6, 5, 1), 2000, 100, 0)  # As `_batches` says.
+  for spec, mixup, dtype in (('', 0.0, np.uint8), ('flip_lr|translate(1)', 0.0, np.uint8),
+                             ('rotate(10)', 0.0, np.float32), ('flip_lr', 0.2, np.float32)):
+    config = _config(preprocess=spec, mixup_alpha=mixup)
+    inputs = run_spec.resolve(config).input
+    layout = input_pipeline.batch_layout(info, 8, train=inputs)
+    batches = _batches(split, config)
+    assert len(batches) == 24  # 100 // 8 = 12 batches per epoch, 2 epochs.
+    for batch in batches:
+      assert {name: (array.shape, array.dtype) for name, array in batch.items()} == layout
+      assert 0 <= batch['image'].min() and batch['image'].max() <= (1 if dtype == np.float32 else 255)
+    assert batches[0]['image'].dtype == dtype
+  plain = _batches(split, _config())
+  for batch in plain:  # Each image is its uint8 source.
+    np.testing.assert_array_equal(batch['image'], split.images[batch['label']])
+  assert input_pipeline.batch_layout(info, 8, mask=True)['image'] == ((8, 6, 5, 1), np.uint8)
+  normalize = preprocessing.parse('normalize(0.5, 0.25)')
+  scaled = normalize.scale(jax.numpy.asarray(plain[0]['image']))
+  np.testing.assert_allclose(scaled, (plain[0]['image'] / 255 - 0.5) / 0.25, atol=1e-5)
 
 
 def test_same_seed_same_order_other_seed_other_order():
@@ -104,7 +118,7 @@ def test_mid_epoch_start_step_gives_the_remaining_batches(backend):
 
 def test_eval_counts_every_example_exactly_once():
   split = _split(1003)
-  batches = list(input_pipeline.eval_batches(split, preprocessing.parse(''), batch_size=100))
+  batches = list(input_pipeline.eval_batches(split, batch_size=100))
   assert len(batches) == 11
   assert all(batch['image'].shape == (100, 6, 5, 1) for batch in batches)
   real = np.concatenate([batch['label'][batch['mask']] for batch in batches])

@@ -53,7 +53,7 @@ for name, mesh in (('one', jax.make_mesh((1,), ('data',), axis_types=auto,
   with jax.set_mesh(mesh):
     state = state_lib.create(run.model, data.info, run.optimization,
                              run.optimization.learning_rate_schedule(3), seed=run.seed)
-    train_step = state_lib.make_train_step(run.loss(10))
+    train_step = state_lib.make_train_step(run.loss(10), run.input.preprocess)
     for step in range(3):
       if step == 1:
         compiles.clear()
@@ -131,7 +131,7 @@ def test_bad_process_flags_exit_with_the_fix(tmp_path):
 def test_eval_batches_pad_to_the_requested_number_of_batches():
   split = base.Split(images=np.ones((7, 2, 2, 1), np.uint8),
                                labels=np.arange(7, dtype=np.int32))
-  batches = input_pipeline.eval_batches(split, preprocessing.parse(''), batch_size=3,
+  batches = input_pipeline.eval_batches(split, batch_size=3,
                                        num_batches=4)
   assert [len(batch['label']) for batch in batches] == [3, 3, 3, 3]
   mask = np.concatenate([batch['mask'] for batch in batches])

@@ -29,7 +29,8 @@ def create(**overrides):
   config = default.get_config()
   config.update(overrides)
   state = conftest.create_state(config, INFO, steps_per_epoch=100)
-  return state, state_lib.make_train_step(run_spec.resolve(config).loss(INFO.num_classes))
+  run = run_spec.resolve(config)
+  return state, state_lib.make_train_step(run.loss(INFO.num_classes), run.input.preprocess)
 
 
 def random_batch(batch_size=32, seed=0):
@@ -60,7 +61,7 @@ def test_compiled_creation_equals_eager_creation():
 
 
 def _eval_batches(split, batch_size):
-  return input_pipeline.eval_batches(split, NO_OPS, batch_size)
+  return input_pipeline.eval_batches(split, batch_size)
 
 
 def test_steps_compiled_ahead_are_reused_and_change_nothing():

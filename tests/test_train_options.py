@@ -150,7 +150,8 @@ def test_bfloat16_training_keeps_float32_state_and_lowers_the_loss():
   config.model_options.cnn.update(conv1_features=8, conv2_features=16, hidden_features=32,
                                   dropout_rate=0.0)
   state = conftest.create_state(config, INFO, steps_per_epoch=100)
-  train_step = state_lib.make_train_step(run_spec.resolve(config).loss(10))
+  run = run_spec.resolve(config)
+  train_step = state_lib.make_train_step(run.loss(10), run.input.preprocess)
   assert isinstance(state.model.conv1, cpu.Conv)  # The CPU layers on the CPU backend.
   batch = _batch(16)
   assert nnx.jit(lambda conv, x: conv(x))(state.model.conv1, batch['image']).dtype == jnp.bfloat16

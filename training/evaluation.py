@@ -50,7 +50,7 @@ class Evaluation:
                preprocess: preprocessing.Preprocessing, every: str | int = EVERY_EPOCH):
     self.name, self.split, self.preprocess, self.every = name, split, preprocess, every
     self._evaluators = [evaluators_lib.Count(), *evaluators]
-    self._eval_step = state_lib.make_eval_step(self._evaluators)
+    self._eval_step = state_lib.make_eval_step(self._evaluators, preprocess)
 
   @property
   def directions(self) -> dict[str, bool]:

@@ -2,7 +2,9 @@
 
 `TrainState` holds the model, its optimizer, the moving average of its weights (`nnx.EMA`,
 when config.ema_decay is set) and the sums behind the train metrics. The train step updates it
-in place inside one XLA program; the eval step folds a batch into the evaluators' states.
+in place inside one XLA program; the eval step folds a batch into the evaluators' states. Both
+take batches as they leave the host (uint8 images, mostly) and run the preprocessing's scale
+stage (`Preprocessing.scale`) inside their program.
 """
 
 import contextlib
@@ -15,6 +17,7 @@ import optax
 
 from data_sources import base
 import models
+import preprocessing
 from training import evaluators as evaluators_lib
 from training import losses
 from training import optimizers
@@ -136,16 +139,19 @@ def eval_mode(model: nnx.Module):
         setattr(module, name, value)
 
 
-def make_train_step(loss: losses.Loss) -> Callable[[TrainState, Batch], None]:
-  """The compiled train step for `loss`: one update of the state on one batch, in place."""
+def make_train_step(loss: losses.Loss, preprocess: preprocessing.Preprocessing
+                    ) -> Callable[[TrainState, Batch], None]:
+  """The compiled train step for `loss`: one update of the state on one batch, in place, its
+  images scaled by `preprocess` first."""
 
   @nnx.jit(donate_argnums=0)
   def train_step(state: TrainState, batch: Batch) -> None:
     targets = batch.get('target', batch['label'])  # Soft targets of mixed batches.
+    images = preprocess.scale(batch['image'])
 
     def loss_fn(model):
-      logits = model(batch['image']).astype(jnp.float32)  # The loss in float32, whatever the
-      return loss(logits, targets).mean(), logits  # model computes in.
+      logits = model(images).astype(jnp.float32)  # The loss in float32, whatever the model
+      return loss(logits, targets).mean(), logits  # computes in.
 
     (_, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(state.model)
     state.optimizer.update(state.model, grads)
@@ -157,16 +163,27 @@ def make_train_step(loss: losses.Loss) -> Callable[[TrainState, Batch], None]:
   return train_step
 
 
-def make_eval_step(evaluators: list[evaluators_lib.Evaluator]):
-  """The compiled eval step: (model, states, batch) -> the evaluators' states after the batch."""
+def make_eval_step(evaluators: list[evaluators_lib.Evaluator],
+                   preprocess: preprocessing.Preprocessing):
+  """The compiled eval step: (model, states, batch) -> the evaluators' states after the batch,
+  its images scaled by `preprocess` first (the evaluators see them scaled)."""
 
   @nnx.jit
   def eval_step(model: nnx.Module, states: list, batch: Batch) -> list:
+    batch = {**batch, 'image': preprocess.scale(batch['image'])}
     logits = model(batch['image']).astype(jnp.float32)
     return [evaluator.update(state, logits, batch)
             for evaluator, state in zip(evaluators, states)]
 
   return eval_step
+
+
+def scaled(batches, preprocess: preprocessing.Preprocessing):
+  """`batches` (placed on the devices) with their images scaled by `preprocess` there, for the
+  few that go to the model outside the train and eval steps (precise BatchNorm statistics,
+  temperature fitting)."""
+  scale = jax.jit(lambda batch: {**batch, 'image': preprocess.scale(batch['image'])})
+  return map(scale, batches)
 
 
 @nnx.jit
