@@ -266,21 +266,26 @@ def main(argv):
                 f'{run["images_per_sec"]:.2f} images/s (steps {run["step_seconds"]}), first '
                 f'step {run["first_step_seconds"]:.1f} s, load {run["load_1min"]:.2f}',
                 flush=True)
+          # The figures so far: a run cut short (a time limit) keeps every finished row.
+          rows = write_report(machine, started_load, every_round)
+  print(f'\nLoad average at end (1, 5, 15 min): '
+        f'{", ".join(f"{x:.2f}" for x in os.getloadavg())}\n\n{markdown_table(rows)}')
+
+
+def write_report(machine: dict, started_load: tuple[float, ...],
+                 every_round: dict[tuple[str, str, str], list[dict]]) -> list[dict]:
+  """Writes the JSON report of the runs so far to --json; returns its rows (summarize's)."""
   rows = summarize(every_round)
-  ended_load = os.getloadavg()
-  header.append(f'Load average at end (1, 5, 15 min): '
-                f'{", ".join(f"{x:.2f}" for x in ended_load)}')
-  print(f'\n{header[-1]}\n\n{markdown_table(rows)}')
   report = {'machine': machine, 'device': FLAGS.device, 'batch_size': FLAGS.batch_size,
             'image_size': FLAGS.image_size, 'warmup': FLAGS.warmup, 'steps': FLAGS.steps,
-            'rounds': FLAGS.rounds, 'load_at_start': started_load, 'load_at_end': ended_load,
-            'rows': rows,
+            'rounds': FLAGS.rounds, 'load_at_start': started_load,
+            'load_at_end': os.getloadavg(), 'rows': rows,
             'every_round': [{'model': model, 'dtype': dtype, 'configuration': configuration,
                              'runs': runs}
                             for (model, dtype, configuration), runs in every_round.items()]}
   with open(FLAGS.json, 'w') as f:
     json.dump(report, f, indent=2)
-
+  return rows
 
 if __name__ == '__main__':
   app.run(main)
