@@ -2,6 +2,7 @@
 streaming, data errors."""
 
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -19,6 +20,7 @@ import preprocessing
 import train
 from training import run_spec
 import conftest
+import image_folders
 
 
 def _split(num_examples, image_shape=(6, 5, 1), seed=0):
@@ -261,3 +263,29 @@ def test_a_streamed_run_trains_evaluates_and_draws_eval_images(tfds_data_dir, tm
                                            str(tmp_path))
   assert in_memory['eval/accuracy'] == pytest.approx(metrics['eval/accuracy'], abs=1e-6)
   assert in_memory['eval/loss'] == pytest.approx(metrics['eval/loss'], rel=1e-5)
+
+
+@pytest.mark.parametrize('cache', ['memory', 'disk'])
+def test_decoded_cache_serves_later_epochs_and_resumes_exactly(tmp_path, cache):
+  """With a decoded cache (in memory or on disk), epochs after the first read no file (the
+  folder is gone by then), and a run resumed in epoch 1 (its cache filled anew) gives the
+  uninterrupted run's batches."""
+  root = str(tmp_path / 'photos')
+  image_folders.make_shapes_folder(root, {'train': 6}, image_sizes=(20, 40), corrupt=False)
+  config = _config(data_source='folder', dataset=root, train_split='train', eval_split='train',
+                   batch_size=4, num_epochs=2, shuffle_buffer_size=8,
+                   preprocess='random_resized_crop(16)|flip_lr', decoded_cache=cache)
+  run = run_spec.resolve(config)
+  data = input_pipeline.open_data(run.input, {})
+  split = input_pipeline.open_split(data, 'train', run.input)
+  resumed = list(input_pipeline.train_batches(split, data, run.input, 4, 1, 2))
+  batches = input_pipeline.train_batches(split, data, run.input, 4)
+  first_epoch = [next(batches) for _ in range(4)]  # 18 images: 4 batches an epoch.
+  shutil.rmtree(root)
+  second_epoch = list(batches)
+  assert len(second_epoch) == 4 and len(resumed) == 2
+  for got, want in zip(resumed, second_epoch[2:]):
+    np.testing.assert_array_equal(got['image'], want['image'])
+    np.testing.assert_array_equal(got['label'], want['label'])
+  assert not np.array_equal(first_epoch[0]['image'], second_epoch[0]['image'])
+  assert all(batch['image'].dtype == np.uint8 for batch in first_epoch + second_epoch)
