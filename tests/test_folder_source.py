@@ -375,25 +375,26 @@ def test_files_added_removed_or_replaced_are_read_again(tmp_path, monkeypatch, c
 
 
 @pytest.mark.parametrize('damage', [
-    lambda text: text[:len(text) // 2],  # Cut short, as by a full disk.
-    lambda text: text.replace('"files":{"', '"files":{"x":[1],"', 1),  # An entry of another shape.
+    lambda index: index[:len(index) // 2],  # Cut short, as by a full disk.
+    lambda index: index[:-200] + bytes(200),  # Zeroed at the end.
+    lambda index: b'{"version": 1}',  # Not an index at all.
 ])
 def test_a_damaged_index_is_rebuilt_with_one_warning(tmp_path, monkeypatch, caplog, damage):
   root = str(tmp_path / 'damaged')
   _indexed_folder(root)
   first, first_warnings = _opened(root, caplog)
   index = os.path.join(root, folder_source.INDEX_FILE)
-  with open(index, encoding='utf-8') as file:
-    text = file.read()
-  with open(index, 'w', encoding='utf-8') as file:
-    file.write(damage(text))
+  entries = folder_source._load_index(index)  # pylint: disable=protected-access
+  with open(index, 'rb') as file:
+    data = file.read()
+  with open(index, 'wb') as file:
+    file.write(damage(data))
   reads = _counted_reads(monkeypatch)
   second, warnings = _opened(root, caplog)
   assert len(reads) == 3 * 5 + 2
   assert warnings[1:] == first_warnings and index in warnings[0]
   assert _contents(second) == _contents(first)
-  with open(index, encoding='utf-8') as file:
-    assert file.read() == text  # Rebuilt whole.
+  assert folder_source._load_index(index) == entries  # Rebuilt whole.  # pylint: disable=protected-access
 
 
 def test_a_read_only_folder_keeps_its_index_in_the_cache_dir(tmp_path, monkeypatch, caplog):
