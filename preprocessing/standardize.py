@@ -27,13 +27,20 @@ def _namespace(images):
 
 
 @preprocessing.OPS.register('standardize', stage='scale')
-def standardize(per_channel: bool = False) -> preprocessing.ScaleOp:
+def standardize(per_channel: bool = False, polarity: bool = False) -> preprocessing.ScaleOp:
   """(pixel - mean) / max(std, 1 / sqrt(N)) over each image's N = height x width x channels
-  values, as tf.image.per_image_standardization (the floor keeps a flat image finite); with
-  `per_channel=True`, over each channel of each image (its height x width values), so that
-  each channel's colour and contrast are divided out as well."""
-  if not isinstance(per_channel, bool):
-    raise ValueError(f'per_channel={per_channel!r} must be True or False')
+  values, as tf.image.per_image_standardization (the floor keeps a flat image finite).
+
+  `per_channel=True`: over each channel of each image (its height x width values), so that
+  each channel's colour and contrast are divided out as well. `polarity=True`: then each
+  image's (or channel's) values multiplied by the sign of their skewness, so that the colour
+  covering less of the image is the positive one: a figure drawn light on dark and the same
+  figure dark on light give the same values (with `per_channel`, a two-colour image gives the
+  same mask in every channel, whatever its two colours).
+  """
+  for name, value in (('per_channel', per_channel), ('polarity', polarity)):
+    if not isinstance(value, bool):
+      raise ValueError(f'{name}={value!r} must be True or False')
   axes = (-3, -2) if per_channel else (-3, -2, -1)
 
   def op(images):
@@ -41,6 +48,10 @@ def standardize(per_channel: bool = False) -> preprocessing.ScaleOp:
     count = math.prod(images.shape[axis] for axis in axes)
     mean = xp.mean(images, axis=axes, keepdims=True)
     std = xp.sqrt(xp.mean(xp.square(images - mean), axis=axes, keepdims=True))
-    return (images - mean) / xp.maximum(std, 1.0 / math.sqrt(count))
+    standardized = (images - mean) / xp.maximum(std, 1.0 / math.sqrt(count))
+    if not polarity:
+      return standardized
+    skew = xp.mean(standardized * standardized * standardized, axis=axes, keepdims=True)
+    return xp.where(skew < 0, -standardized, standardized)
 
   return op

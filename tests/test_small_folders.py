@@ -90,5 +90,25 @@ def test_standardize_refuses_a_per_channel_that_is_not_a_bool():
   import preprocessing  # pylint: disable=g-import-not-at-top
   from core import errors  # pylint: disable=g-import-not-at-top
   with pytest.raises(errors.ConfigError) as raised:
-    preprocessing.parse('standardize(per_channel=1)')
+    preprocessing.parse('standardize(polarity=1)')
   assert raised.value.key == 'preprocess'
+
+
+def test_standardize_with_polarity_gives_a_figure_the_same_values_in_any_two_colours():
+  import jax  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from preprocessing import standardize  # pylint: disable=g-import-not-at-top
+  mask = np.zeros((1, 8, 8, 1), np.float32)
+  mask[0, 1:4, 2:6] = 1  # A figure covering less of the image than its background.
+  paint = lambda figure, ground: mask * np.float32(figure) + (1 - mask) * np.float32(ground)
+  # Every channel's two values far enough apart that its std is over the floor, 1 / 8.
+  light_on_dark, dark_on_light = paint([0.9, 0.7, 0.8], [0.1, 0.2, 0.1]), paint(
+      [0.1, 0.8, 0.2], [0.6, 0.1, 0.9])
+  op = standardize.standardize(per_channel=True, polarity=True)
+  for run in (lambda x: op(tf.constant(x)).numpy(), lambda x: np.asarray(jax.jit(op)(x))):
+    first, second = run(light_on_dark), run(dark_on_light)
+    np.testing.assert_allclose(first, second, atol=1e-5)
+    assert np.all(first[mask[..., 0] == 1] > 0) and np.all(first[mask[..., 0] == 0] < 0)
+  # Without it, the dark-on-light figure is the negative one in some channels.
+  plain = standardize.standardize(per_channel=True)
+  assert not np.allclose(plain(light_on_dark), plain(dark_on_light), atol=1e-3)
