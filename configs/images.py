@@ -1,38 +1,41 @@
-"""A recipe for your own small folder of images (hundreds to a few thousand), default CNN.
+"""A recipe for your own small folder of images (hundreds to a few thousand).
 
   python main.py --config=configs/images.py --workdir=runs/mine --config.dataset=/path/to/root
 
 `root/train/<class name>/<image>`; the last 10% of `train` (files ordered by a hash of their
-path, so every class is in both parts) is held out and evaluated after every epoch. The
-default config's 128-image batches give a few hundred images only ~6 steps an epoch, and its
-SGD at a constant 0.1 ends its 10 epochs still noisy; this recipe makes ~10x more updates:
-batches of 32, 20 epochs, Adam at 1e-3 with one warm-up epoch and a cosine decay, and mild
-augmentation that keeps any class (left-right flips, shifts of up to 2 pixels). It also sets
-the image size, since the folder's images may differ in size and the CNN flattens its last
-feature map into a dense layer: 32x32 (that layer: 1M weights). For larger images or finer
-detail give the whole preprocessing, keeping the augmentation, e.g.
-`--config.preprocess='resize(64)|flip_lr|translate(4)'` (a bare `resize(64)` turns it off);
-drop `flip_lr` where mirroring changes the class (text, digits, arrows).
+path, so every class is in both parts) is held out and evaluated after every epoch.
 
-Measured on generated folders of 3 classes of drawn shapes (circle, square, triangle, 48x48
-RGB, 300 a class: 810 training images, 90 held out), held-out accuracy at the last epoch for
-seeds 0 / 1 / 2, about 1 min a run on a shared 2-core CPU (500 steps):
+The recipe: images stretched to 32x32, shifted by up to 3 pixels in training, then each image
+standardised per channel with its sign set by its skew (`standardize(per_channel=True,
+polarity=True)`: a figure's values are the same whatever its two colours and whichever is
+lighter); a small ResNet (`cifar_resnet`, widths 16-32-64, one block a stage: 8 layers, 0.08M
+weights) whose global average pooling sees a figure anywhere alike; Adam at 3e-3, batches of
+32, one warm-up epoch then a cosine decay over 20 epochs. For larger images or finer detail give
+the whole preprocessing, e.g. `--config.preprocess='resize(64)|translate(6)|standardize(
+per_channel=True, polarity=True)'`; add `flip_lr` where mirroring keeps the class (not text,
+digits, arrows); drop `polarity=True` (or the whole op, for `normalize('imagenet')`) where
+colour or brightness carries the class.
 
-| folder | default config (10 epochs) | this recipe |
+Why (docs/small_folders.md): on generated folders whose class is a shape, texture or digit in
+random colours at random places (`tests/image_folders.make_kind_folder`,
+`benchmarks/small_folders.py`), the former recipe (the flax MNIST CNN, pixels in [0, 1], Adam
+1e-3) held out 51.0% of shapes (seed 0) and did not fit its training images (65.3%): the
+network spends its steps on the flat colours, and its dense layer learns each position apart.
+Standardising each channel, then fixing its polarity, took the ResNet on shapes from 53% to 67%
+held out at epoch 10 of the same diagnostic loop; it still underfits there (training accuracy
+about that of the held-out one), and the goal of >= 95% held out on every kind is NOT reached:
+see docs/small_folders_runs.md for every run's figures.
+
+The former recipe measured on generated folders of 3 classes of drawn shapes (circle, square,
+triangle, 48x48 RGB, fixed colours, 300 a class: 810 training images, 90 held out), held-out
+accuracy at the last epoch for seeds 0 / 1 / 2 (CNN, `resize(32)|flip_lr|translate(2)`, Adam
+1e-3, 20 epochs; not re-measured with this recipe):
+
+| folder | default config (10 epochs) | the former recipe |
 | --- | --- | --- |
 | shapes lighter than the background | 91.1% / 90.0% / 94.4% | 97.8% / 100% / 100% |
 | the same, another generator seed | - | 97.8% / 100% / 98.9% |
 | either polarity (harder) | - | 96.7% / 98.9% / 97.8% |
-
-SGD (momentum 0.9, 0.1, same schedule and augmentation) scored 100% on all three seeds of the
-first folder but stalled at 65.6% on one seed of the harder one; Adam without the augmentation
-overfitted (91.1%, seed 0); on seed 0 of the first folder, batches of 128 (20 epochs) reached
-93.3% and 10 epochs (batches of 32) 92.2%. With 90 held-out images one image is 1.1%.
-
-It does not hold where the class is a shape, texture or digit drawn in random colours at random
-positions and sizes (`tests/image_folders.make_kind_folder`, `benchmarks/small_folders.py`): on
-4 generated shape classes (seed 0) it ends at 65.3% training and 51.0% held-out accuracy; the
-diagnosis so far is in docs/small_folders.md.
 """
 
 import ml_collections
@@ -45,11 +48,16 @@ def get_config() -> ml_collections.ConfigDict:
   config.data_source = 'folder'  # --config.dataset=/path/to/root
   config.train_split = 'train[:90%]'
   config.eval_split = 'train[90%:]'
-  config.preprocess = 'resize(32)|flip_lr|translate(2)'
+  # Colours and polarity divided out per image: see the docstring and docs/small_folders.md.
+  config.preprocess = 'resize(32)|translate(3)|standardize(per_channel=True, polarity=True)'
+  # Global average pooling: a figure anywhere in the image is the same figure.
+  config.model = 'cifar_resnet'
+  config.model_options.cifar_resnet.widths = (16, 32, 64)
+  config.model_options.cifar_resnet.blocks_per_stage = 1
   config.batch_size = 32
   config.num_epochs = 20
   config.optimizer = 'adam'
-  config.learning_rate = 0.001
+  config.learning_rate = 0.003
   config.schedule = 'cosine'
   config.warmup_epochs = 1.0
   return config
