@@ -7,7 +7,8 @@ already there, deletes the folder's index, then opens the folder three times, ea
 process under `/usr/bin/time -v`: with no index (every header read, the index written), again
 (from the index), and after one file was touched (one header read again). For each it prints the
 seconds `FolderSource(root)` took, the process's wall time and peak RSS, and the RSS that the
-open added to the process after its imports, per file (docs/own_data.md).
+open added to the process after its imports, per file; the open's CPU seconds (all threads) say
+more than its wall time on a busy machine (docs/own_data.md).
 """
 
 import json
@@ -61,11 +62,12 @@ def _generate(root: str, files: int, classes: int) -> None:
 def _open_once(root: str) -> None:
   """Opens `root` as training does and prints the figures as one JSON line."""
   before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-  start = time.perf_counter()
+  start, start_cpu = time.perf_counter(), time.process_time()
   source = folder_source.FolderSource(root)
-  seconds = time.perf_counter() - start
+  seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
   after_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-  print(json.dumps({'open_s': seconds, 'files': source.num_examples('train'),
+  print(json.dumps({'open_s': seconds, 'open_cpu_s': cpu_seconds,
+                    'files': source.num_examples('train'),
                     'rss_added_mb': (after_kb - before_kb) / 1024}))
 
 
@@ -100,10 +102,11 @@ def main(argv):
   os.utime(folder_source.find_files(os.path.join(FLAGS.root, 'train', 'class_0'))[0])
   runs['one file touched'] = _timed_open(FLAGS.root)
   print(f'Index: {index} ({index_mb:.1f} MB).')
-  print('| open | files | open (s) | process wall (s) | peak RSS (MB) | RSS added by the open '
-        '(MB) | per file (bytes) |')
+  print('| open | files | open (s) | open, CPU (s) | process wall (s) | peak RSS (MB) | '
+        'RSS added by the open (MB) | per file (bytes) |')
   for name, run in runs.items():
-    print(f'| {name} | {run["files"]:,} | {run["open_s"]:.2f} | {run["wall_s"]:.1f} | '
+    print(f'| {name} | {run["files"]:,} | {run["open_s"]:.1f} | {run["open_cpu_s"]:.1f} | '
+          f'{run["wall_s"]:.1f} | '
           f'{run["peak_rss_mb"]:,.0f} | {run["rss_added_mb"]:.0f} | '
           f'{run["rss_added_mb"] * 2**20 / run["files"]:,.0f} |')
 
