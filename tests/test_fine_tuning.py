@@ -2,6 +2,9 @@
 learning-rate multipliers, class weights, Mixup/CutMix, any optax optimizer, clipping,
 schedules."""
 
+import os
+import shutil
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -11,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 from configs import default
+from configs import finetune
 from core import errors
 import input_pipeline
 import preprocessing
@@ -25,7 +29,10 @@ from test_plugins import _config as stripes_config
 from test_train import INFO
 from test_train import create
 from test_train import random_batch
+from test_checkpointing import saved
+from test_training_quality import _train_until_a_sigterm_at
 import conftest
+import image_folders
 
 
 def _weights(model):
@@ -248,3 +255,70 @@ def test_bad_values_name_the_key(key, value):
   with pytest.raises(errors.ConfigError) as error:
     run_spec.resolve(config)
   assert error.value.key == key
+
+
+def _vit_photos(root: str, **overrides):
+  """configs/finetune.py with a ViT-Ti/16 (its 12 blocks, drop-path and dropout on, the EMA) on
+  a tiny folder of 32-px colour images (2x2 patches: fast), batches of 8."""
+  image_folders.make_shapes_folder(root, {'train': 16, 'test': 4}, image_sizes=(32, 48),
+                                   corrupt=False)
+  config = finetune.get_config()
+  config.update({'dataset': root, 'train_split': 'train', 'eval_split': 'test',
+                 'model': 'vit_tiny_patch16_224', 'preprocess': 'random_resized_crop(32)|flip_lr',
+                 'batch_size': 8, 'eval_batch_size': 12, 'num_epochs': 2, 'ema_decay': 0.9,
+                 'layer_decay': 0.75, 'checkpoint_every_steps': 1000,
+                 'evaluators': 'loss|accuracy', **overrides})
+  config.model_options.vit_tiny_patch16_224 = {'drop_path_rate': 0.1, 'dropout_rate': 0.1}
+  return config
+
+
+@pytest.mark.slow
+def test_a_resumed_vit_run_ends_bit_exactly_like_an_uninterrupted_one(tmp_path, monkeypatch):
+  """Stopped mid-epoch (as by a SIGTERM) and resumed, a ViT fine-tuning run (random resized
+  crops, drop-path, dropout, layer-wise decay, the EMA) ends in the uninterrupted state."""
+  config = _vit_photos(str(tmp_path / 'photos'))
+  whole, halves = str(tmp_path / 'whole'), str(tmp_path / 'halves')
+  train.train_and_evaluate(run_spec.resolve(config), whole)
+  _train_until_a_sigterm_at(9, config, halves, monkeypatch)  # 6 steps an epoch.
+  assert saved(halves)[0] == 9
+  train.train_and_evaluate(run_spec.resolve(config), halves)
+  (step, state), (resumed_step, resumed) = saved(whole), saved(halves)
+  assert step == resumed_step == 12
+  assert any('ema' in name for name in state) and any('blocks' in name for name in state)
+  for name, value in state.items():
+    np.testing.assert_array_equal(resumed[name], value, err_msg=name)
+
+
+def _probe_config(root: str, **overrides):
+  """configs/finetune.py's ResNet-18 on a tiny folder of 32-48 px colour images, resized to 32."""
+  config = finetune.get_config()
+  config.update({'dataset': root, 'train_split': 'train', 'eval_split': 'test',
+                 'preprocess': 'resize(32)', 'batch_size': 16, 'eval_batch_size': 32,
+                 'learning_rate': 1e-3, 'warmup_epochs': 0.0, 'num_epochs': 6,
+                 'evaluators': 'loss|accuracy', **overrides})
+  return config
+
+
+@pytest.mark.slow
+def test_a_linear_probe_uses_the_imported_features(tmp_path):
+  """Pretrained on one generated task (where a noisy image is bright: 3 classes), a ResNet-18's
+  features linearly separate another (2 classes, other images, a new head): its linear probe
+  beats a linear probe on the random features of the same architecture."""
+  image_folders.make_shapes_folder(str(tmp_path / 'source'), {'train': 32, 'test': 8},
+                                   image_sizes=(32, 48), corrupt=False)
+  pretrained = str(tmp_path / 'pretrained')
+  train.train_and_evaluate(run_spec.resolve(_probe_config(str(tmp_path / 'source'))), pretrained)
+  target = str(tmp_path / 'target')
+  image_folders.make_shapes_folder(target, {'train': 24, 'test': 16}, seed=1,
+                                   image_sizes=(32, 48), corrupt=False)
+  for split in ('train', 'test'):  # Two of the three classes: a new task, a new head.
+    shutil.rmtree(os.path.join(target, split, 'centre'))
+  probe = {'linear_probe': True, 'learning_rate': 0.01, 'num_epochs': 4}
+  imported = train.train_and_evaluate(
+      run_spec.resolve(_probe_config(target, init_from=pretrained, **probe)),
+      str(tmp_path / 'imported'))
+  random = train.train_and_evaluate(run_spec.resolve(_probe_config(target, **probe)),
+                                    str(tmp_path / 'random'))
+  print(f"probe on imported features {imported['eval/accuracy']:.3f}, on random features "
+        f"{random['eval/accuracy']:.3f}")
+  assert imported['eval/accuracy'] >= random['eval/accuracy'] + 0.15, (imported, random)
