@@ -43,9 +43,9 @@ from training import workdirs
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs', 'default.py')
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and TensorBoard files.')
-config_flags.DEFINE_config_file(
-    'config', DEFAULT_CONFIG, 'Path to a config file with get_config(). Default: the config '
-    'the workdir was trained with, else configs/default.py.', lock_config=True)
+cli.define_config(DEFAULT_CONFIG, 'Path to a config file with get_config(). Default: the config '
+                  'the workdir was trained with, else configs/default.py.',
+                  run_spec.saved_config)
 flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'export', 'predict'],
                   'train (resuming from the latest checkpoint), eval (score a checkpoint, with '
                   'a report), export (a checkpoint as a TF SavedModel, or --export_format) or '
@@ -71,11 +71,12 @@ flags.DEFINE_integer('process_id', None, 'Index of this process, in [0, num_proc
 
 
 def load_config() -> ml_collections.ConfigDict:
-  """The run's config: --config if given; otherwise the workdir's saved config (with the
-  --config.<key> overrides applied), else configs/default.py. Eval, export and predict always
-  start from the saved config: the checkpoint's model and data are its."""
+  """The run's config: --config if given; otherwise the workdir's saved config, else
+  configs/default.py (either the flag's default, with the --config.<key> overrides applied).
+  Eval, export and predict always start from the saved config, even with --config: the
+  checkpoint's model and data are its."""
   config = run_spec.saved_config(FLAGS.workdir) if os.path.isdir(FLAGS.workdir) else None
-  if config is None or (FLAGS.mode == 'train' and FLAGS['config'].present):
+  if config is None or FLAGS.mode == 'train' or not FLAGS['config'].present:
     return FLAGS.config
   try:
     overrides = config_flags.get_override_values(FLAGS['config'])

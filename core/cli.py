@@ -7,8 +7,11 @@ one line naming the file or key, instead of a traceback from inside ml_collectio
 import os
 import re
 import sys
+from collections.abc import Callable
 
 from absl import flags
+import ml_collections
+from ml_collections import config_flags
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -31,26 +34,59 @@ def parse_flags(argv: list[str]) -> list[str]:
   except SyntaxError as error:
     sys.exit(f'Config error: the config file {error.filename} has a syntax error at line '
              f'{error.lineno}: {error.msg}.')
-  except AttributeError as error:
-    if isinstance(error.args[0], KeyError):  # An override of a key the config does not have.
-      key, *hint = str(error.args[0].args[0]).split('\n')
-      key = key.strip("'")
-      override = next((arg.split('=')[0] for arg in argv if re.match(
-          rf'--config\.(.+\.)?{re.escape(key)}(=|$)', arg)), f'--config.{key}')
-      sys.exit(f'Config error: {override} is not a key of the config'
-               f'{" (" + hint[0].strip() + ")" if hint else ""}; the keys are listed in the '
-               'config file and by --config=... --helpfull.')
+  except (AttributeError, KeyError) as error:
     if 'get_config' in str(error):
       sys.exit(f'Config error: the config file {config_file!r} has no get_config() function '
                'returning an ml_collections.ConfigDict.')
-    raise
+    _exit_unknown_key(error, argv)
+
+
+def define_config(default_file: str, help_text: str,
+                  saved_config: Callable[[str], ml_collections.ConfigDict | None],
+                  argv: list[str] = sys.argv) -> None:
+  """Defines --config: a config file; without --config, the config saved in --workdir when it
+  has one, else `default_file`. ml_collections applies the --config.<key> overrides to the
+  default as the flag is defined, so they are checked against the keys of the config the
+  workdir was trained with (a key it has that `default_file` lacks is fine), and an unknown key
+  ends the process in one line here too."""
+  workdir = _flag_argument(argv, 'workdir')
+  saved = None if _flag_argument(argv, 'config') or not workdir else saved_config(workdir)
+  try:
+    if saved is None:
+      config_flags.DEFINE_config_file('config', default_file, help_text, lock_config=True)
+    else:
+      config_flags.DEFINE_config_dict('config', saved, help_text, lock_config=True)
+  except (AttributeError, KeyError) as error:
+    _exit_unknown_key(error, argv)
+
+
+def _exit_unknown_key(error: AttributeError | KeyError, argv: list[str]) -> None:
+  """Ends the process with one line naming the --config.<key> override of a key the config lacks
+  (ml_collections raises a KeyError, or an AttributeError holding one); re-raises otherwise."""
+  if isinstance(error, AttributeError):
+    if not error.args or not isinstance(error.args[0], KeyError):
+      raise error
+    error = error.args[0]
+  key, *hint = str(error.args[0]).split('\n')
+  key = key.strip('"\'')
+  override = next((arg.split('=')[0] for arg in argv if re.match(
+      rf'--config\.(.+\.)?{re.escape(key)}(\.|=|$)', arg)), f'--config.{key}')
+  sys.exit(f'Config error: {override} is not a key of the config'
+           f'{" (" + hint[0].strip() + ")" if hint else ""}; the keys are listed in the '
+           'config file and by --config=... --helpfull. A new section (such as an evaluation) '
+           'is defined in a config file.')
 
 
 def _config_argument(argv: list[str]) -> str:
   """The path given by --config=PATH (or '--config PATH') in `argv`."""
+  return _flag_argument(argv, 'config')
+
+
+def _flag_argument(argv: list[str], name: str) -> str:
+  """The value given by --name=VALUE (or '--name VALUE') in `argv`, '' if absent."""
   for i, arg in enumerate(argv):
-    if arg.startswith('--config='):
+    if arg.startswith(f'--{name}='):
       return arg.split('=', 1)[1]
-    if arg == '--config' and i + 1 < len(argv):
+    if arg == f'--{name}' and i + 1 < len(argv):
       return argv[i + 1]
   return ''

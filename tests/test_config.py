@@ -113,9 +113,27 @@ def _main(*args):
       '--config.dataset=/no/such/folder'],
      "Config error: Image folder '/no/such/folder' does not exist"),
     (['--config=configs'], "Config error: cannot read the config file 'configs' (a directory)"),
+    (['--config=configs/default.py', '--config.evaluations.holdout.every=2'],
+     'Config error: --config.evaluations.holdout.every is not a key of the config'),
+    (['--mode=eval', '--config.evaluations.holdout.every=2'],  # The default config, at import.
+     'Config error: --config.evaluations.holdout.every is not a key of the config'),
 ])
 def test_cli_mistakes_end_in_one_line(tmp_path, args, line):
   result = _main(*args, f'--workdir={tmp_path}')
   assert result.returncode == 1
   assert 'Traceback' not in result.stderr
   assert result.stderr.strip().splitlines()[-1].startswith(line), result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_overrides_without_config_take_the_keys_of_the_workdirs_saved_config(tmp_path):
+  # A section the workdir's config has and configs/default.py lacks can be overridden: the
+  # override reaches the run (here, to the missing checkpoint), it is not refused.
+  config = default.get_config()
+  config.evaluations = {'holdout': {'split': 'test[:10]'}}
+  (tmp_path / workdirs.CONFIG_FILE).write_text(config.to_json())
+  result = _main('--mode=eval', '--config.evaluations.holdout.split=test[:20]',
+                 f'--workdir={tmp_path}')
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1].startswith('Checkpoint error: No checkpoint'), (
+      result.stderr[-2000:])
