@@ -160,11 +160,12 @@ KINDS = {
 
 
 def make_kind_folder(root: str, kind: str, *, seed: int = 0, num_images: int = 1000,
-                     image_sizes: tuple[int, int] = (40, 80), messy: bool = True) -> int:
+                     image_sizes: tuple[int, int] = (40, 80), messy: bool = True,
+                     formats: tuple[str, ...] = FORMATS) -> int:
   """Writes `num_images` images of `KINDS[kind]` (equally many per class) to root/train/<class>.
 
-  Height and width each vary in `image_sizes` (inclusive); formats cycle through PNG, JPEG, BMP
-  and GIF, and every 5th image is grayscale. With `messy`, each class folder also gets a
+  Height and width each vary in `image_sizes` (inclusive); formats cycle through `formats` (PNG,
+  JPEG, BMP and GIF), and every 5th image is grayscale. With `messy`, each class folder also gets a
   truncated PNG, an empty file and a text file named like an image, and a hidden file.
   Returns the number of good images written.
   """
@@ -179,11 +180,11 @@ def make_kind_folder(root: str, kind: str, *, seed: int = 0, num_images: int = 1
       image = draw(rng, name, size)
       if index % 5 == 0:
         image = image.convert('L')
-      image_format = FORMATS[index % len(FORMATS)]
+      image_format = formats[index % len(formats)]
       path = os.path.join(folder, f'{index:04d}.{EXTENSIONS[image_format]}')
       image.save(path, format=image_format)
     if messy:
-      with open(os.path.join(folder, f'{0:04d}.png'), 'rb') as file:
+      with open(os.path.join(folder, f'{0:04d}.{EXTENSIONS[formats[0]]}'), 'rb') as file:
         head = file.read(60)
       with open(os.path.join(folder, 'cut short.png'), 'wb') as file:
         file.write(head)

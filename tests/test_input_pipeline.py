@@ -2,7 +2,10 @@
 streaming, data errors."""
 
 import os
+import re
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -289,3 +292,22 @@ def test_decoded_cache_serves_later_epochs_and_resumes_exactly(tmp_path, cache):
     np.testing.assert_array_equal(got['label'], want['label'])
   assert not np.array_equal(first_epoch[0]['image'], second_epoch[0]['image'])
   assert all(batch['image'].dtype == np.uint8 for batch in first_epoch + second_epoch)
+
+
+@pytest.mark.slow
+def test_input_pipeline_benchmark_prints_images_per_second(tmp_path):
+  """benchmarks/input_pipeline.py on a tiny generated folder: its epochs, and a last line
+  that ends with the app's images/s (PyTorch's rows too when the extras are installed)."""
+  root = tmp_path / 'photos'
+  result = subprocess.run(
+      [sys.executable, '-m', 'benchmarks.input_pipeline', '--config=configs/finetune.py',
+       '--config.data_source=folder', f'--config.dataset={root}', '--config.batch_size=4',
+       '--make_folder=20', '--epochs=2', '--torch=false'],
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
+      text=True, timeout=900)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  lines = result.stdout.strip().splitlines()
+  assert lines[0].startswith('CPU: ')
+  assert re.fullmatch(r'this app, epoch 2 \(from the decoded cache\): \d+ images/s', lines[-1])
+  assert re.fullmatch(r'this app, epoch 1 \(decodes the files\): \d+ images/s', lines[-2])
+  assert len(list(root.glob('train/*/*.jpg'))) == 20

@@ -1,0 +1,160 @@
+"""Training-input speed at photo size: this app's pipeline against PyTorch's DataLoader.
+
+    python -m benchmarks.input_pipeline --config=configs/finetune.py \
+      --config.data_source=folder --config.dataset=ROOT [--epochs=2] [--make_folder=4000]
+
+Reads the training split of `config` as `main.py` trains on it (`input_pipeline.open_split` and
+`train_batches`: decode, crop, flip, uint8 batches; no model), epoch after epoch, and times each
+epoch: the first decodes the files (and fills the decoded cache, config.decoded_cache), the
+later ones crop from the cache. With torch and torchvision installed (the extras), the same
+folder goes through torchvision's `ImageFolder` and a `DataLoader` (`RandomResizedCrop`,
+`RandomHorizontalFlip`, `ToTensor`, `Normalize`; `num_workers` = the usable cores, batch and
+drop_last as the app's), one epoch of it after each of the app's: the two alternate in one
+process, so that a drifting machine load hits both alike. Images/s count the images batched.
+
+With config.preprocess left empty, the app runs --preprocess, the equivalent of the PyTorch
+transforms. --make_folder=N first writes N generated JPEGs of 180-320 px in 10 classes to
+ROOT/train (tests/image_folders.py's digits) when ROOT does not exist.
+
+Printed: the CPU (model, AVX2/AVX-512/AMX), the usable cores, the load average before and
+after, one line per epoch, and a summary whose last line ends with `<N> images/s` (the app's
+last epoch).
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tests'))
+import image_folders  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file('config', 'configs/finetune.py', 'The training config.')
+flags.DEFINE_integer('epochs', 2, 'Epochs of each pipeline (the first fills the decoded cache).',
+                     lower_bound=1)
+flags.DEFINE_string('preprocess', "random_resized_crop(224)|flip_lr|normalize('imagenet')",
+                    'The preprocessing when config.preprocess is empty: PyTorch\'s transforms.')
+flags.DEFINE_integer('make_folder', 0, 'Generate this many JPEGs in ROOT/train first, if ROOT '
+                     'does not exist.', lower_bound=0)
+flags.DEFINE_bool('torch', True, 'Also time PyTorch (needs torch and torchvision).')
+
+IMAGE_SIZES = (180, 320)  # Height and width of the generated photos, each.
+ISA = ('avx2', 'avx512', 'amx')  # The prefixes of the lscpu flags printed.
+
+
+def cpu_line() -> str:
+  """lscpu's model name and its AVX2/AVX-512/AMX flags, and the usable cores."""
+  fields = dict(line.split(':', 1) for line in subprocess.run(
+      ['lscpu'], capture_output=True, text=True, check=False).stdout.splitlines() if ':' in line)
+  flags_ = [flag for flag in fields.get('Flags', '').split() if flag.startswith(ISA)]
+  model = fields.get('Model name', 'unknown').strip()
+  return (f'CPU: {model}; ISA: {" ".join(flags_) or "no AVX2/AVX-512/AMX"}; '
+          f'{len(os.sched_getaffinity(0))} usable cores')
+
+
+def app_epochs(config):
+  """The image size of this app's training batches, and an iterator of (epoch, images,
+  seconds) over them, epoch by epoch."""
+  from core import runtime  # pylint: disable=g-import-not-at-top  (after flags, before TF)
+  runtime.start()
+  import input_pipeline  # pylint: disable=g-import-not-at-top
+  from training import run_spec  # pylint: disable=g-import-not-at-top
+  run = run_spec.resolve(config)
+  data = input_pipeline.open_data(run.input, {})
+  split = input_pipeline.open_split(data, input_pipeline.process_split(
+      run.input.train_split, drop_remainder=True), run.input)
+  steps = data.info.num_train_examples // run.batch_size
+  batches = input_pipeline.train_batches(split, data, run.input, run.batch_size)
+
+  def epochs():
+    for epoch in range(run.num_epochs):
+      start = time.perf_counter()
+      for _ in range(steps):
+        next(batches)
+      yield epoch + 1, steps * run.batch_size, time.perf_counter() - start
+
+  return data.info.image_shape[0], epochs()
+
+
+def torch_epochs(root: str, split: str, batch_size: int, size: int):
+  """Yields (epoch, images, seconds) of PyTorch's DataLoader over root/split, epoch by epoch
+  (the first starts the workers)."""
+  # pylint: disable=g-import-not-at-top  (optional extras)
+  import torch
+  from torch.utils import data as torch_data
+  from torchvision import datasets
+  from torchvision import transforms
+  # pylint: enable=g-import-not-at-top
+  transform = transforms.Compose([
+      transforms.RandomResizedCrop(size), transforms.RandomHorizontalFlip(),
+      transforms.ToTensor(),
+      transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+  folder = datasets.ImageFolder(os.path.join(root, split), transform)
+  # Workers from a fork server, kept across epochs: forked from this process, whose TensorFlow
+  # and JAX threads may hold locks, a worker can deadlock.
+  loader = torch_data.DataLoader(folder, batch_size=batch_size, shuffle=True, drop_last=True,
+                                 num_workers=len(os.sched_getaffinity(0)),
+                                 multiprocessing_context='forkserver', persistent_workers=True,
+                                 generator=torch.Generator().manual_seed(0))
+  epoch = 0
+  while True:
+    epoch += 1
+    start, images = time.perf_counter(), 0
+    for batch, _ in loader:
+      images += len(batch)
+    yield epoch, images, time.perf_counter() - start
+
+
+def main(argv):
+  del argv
+  config = FLAGS.config
+  config.num_epochs = FLAGS.epochs
+  if not config.preprocess:
+    config.preprocess = FLAGS.preprocess
+  root = config.dataset
+  if FLAGS.make_folder and not os.path.exists(root):
+    image_folders.make_kind_folder(root, 'digits', num_images=FLAGS.make_folder,
+                                   image_sizes=IMAGE_SIZES, messy=False, formats=('JPEG',))
+  print(cpu_line())
+  print(f'load average at the start: {" ".join(f"{v:.2f}" for v in os.getloadavg())}')
+  print(f'this app: config.preprocess={config.preprocess!r}, batch {config.batch_size}, '
+        f'in_memory={config.in_memory!r}, decoded_cache={config.decoded_cache!r}')
+  size, ours = app_epochs(config)
+  theirs = None
+  if FLAGS.torch:
+    try:
+      import torchvision  # pylint: disable=g-import-not-at-top,unused-import
+    except ImportError:
+      print('PyTorch: not installed (pip install -r requirements-extras.txt): skipped')
+    else:
+      # ImageFolder reads the split's folder whole (the app's train_split may be a slice).
+      split = config.train_split.split('[')[0]
+      theirs = torch_epochs(root, split, config.batch_size, size)
+      print(f'PyTorch: ImageFolder({root}/{split}), RandomResizedCrop({size}), '
+            f'RandomHorizontalFlip, ToTensor, Normalize, DataLoader(num_workers='
+            f'{len(os.sched_getaffinity(0))})')
+  rows = []
+  for epoch, images, seconds in ours:
+    rows.append((f'this app, epoch {epoch}' + (' (decodes the files)' if epoch == 1 else
+                                               ' (from the decoded cache)'), images / seconds))
+    print(f'{rows[-1][0]}: {images} images in {seconds:.1f} s, {rows[-1][1]:.0f} images/s',
+          flush=True)
+    if theirs is not None:
+      epoch, images, seconds = next(theirs)
+      rows.append((f'PyTorch DataLoader, epoch {epoch}', images / seconds))
+      print(f'{rows[-1][0]}: {images} images in {seconds:.1f} s, {rows[-1][1]:.0f} images/s',
+            flush=True)
+  print(f'load average at the end: {" ".join(f"{v:.2f}" for v in os.getloadavg())}')
+  rows.sort(key=lambda row: row[0].startswith('this app'))  # The app's last epoch last.
+  for name, rate in rows:
+    print(f'{name}: {rate:.0f} images/s')
+
+
+if __name__ == '__main__':
+  app.run(main)
