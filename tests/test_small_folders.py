@@ -112,3 +112,35 @@ def test_standardize_with_polarity_gives_a_figure_the_same_values_in_any_two_col
   # Without it, the dark-on-light figure is the negative one in some channels.
   plain = standardize.standardize(per_channel=True)
   assert not np.allclose(plain(light_on_dark), plain(dark_on_light), atol=1e-3)
+
+
+@pytest.mark.slow  # Launches main.py twice (a 1-epoch training run, then predict).
+def test_the_recipe_predicts_a_figure_alike_whatever_its_colours(tmp_path):
+  """configs/images.py trains on a small generated folder, then predicts an image and its
+  negative (each colour turned to its complement: figure and background swap lightness) with
+  the same probabilities: its standardisation reaches predict as it reached training."""
+  import csv  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+  root, workdir, inputs = (str(tmp_path / name) for name in ('folder', 'run', 'inputs'))
+  image_folders.make_kind_folder(root, 'shapes', num_images=64, messy=False)
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  main = lambda *flags: subprocess.run([sys.executable, 'main.py', *flags], cwd=repo,
+                                       capture_output=True, text=True, timeout=900)
+  trained = main('--config=configs/images.py', f'--workdir={workdir}', f'--config.dataset={root}',
+                 '--config.num_epochs=1', '--config.batch_size=16')
+  assert trained.returncode == 0, trained.stderr[-3000:]
+  os.makedirs(inputs)
+  image = Image.open(os.path.join(root, 'train', 'cross', '0001.jpg')).convert('RGB')
+  pixels = np.asarray(image)
+  Image.fromarray(pixels).save(os.path.join(inputs, 'image.png'))
+  Image.fromarray(255 - pixels).save(os.path.join(inputs, 'negative.png'))
+  predicted = main(f'--workdir={workdir}', '--mode=predict', f'--inputs={inputs}')
+  assert predicted.returncode == 0, predicted.stderr[-3000:]
+  with open(os.path.join(workdir, 'predictions.csv'), encoding='utf-8') as file:
+    rows = {os.path.basename(row['file']): row for row in csv.DictReader(file)}
+  assert rows['image.png']['class'] == rows['negative.png']['class']
+  assert float(rows['image.png']['probability']) == pytest.approx(
+      float(rows['negative.png']['probability']), abs=1e-3)
