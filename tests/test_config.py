@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+import image_folders
+
 from configs import default
 from core import errors
 from data_sources import base
@@ -129,11 +131,16 @@ def test_cli_mistakes_end_in_one_line(tmp_path, args, line):
 def test_overrides_without_config_take_the_keys_of_the_workdirs_saved_config(tmp_path):
   # A section the workdir's config has and configs/default.py lacks can be overridden: the
   # override reaches the run (here, to the missing checkpoint), it is not refused.
+  image_folders.make_shapes_folder(str(tmp_path / 'data'), {'train': 4, 'test': 2})
   config = default.get_config()
-  config.evaluations = {'holdout': {'split': 'test[:10]'}}
-  (tmp_path / workdirs.CONFIG_FILE).write_text(config.to_json())
-  result = _main('--mode=eval', '--config.evaluations.holdout.split=test[:20]',
-                 f'--workdir={tmp_path}')
+  config.data_source, config.dataset = 'folder', str(tmp_path / 'data')
+  config.preprocess = 'resize(16)'
+  config.evaluations = {'holdout': {'split': 'test[:4]'}}
+  workdir = tmp_path / 'workdir'
+  workdir.mkdir()
+  (workdir / workdirs.CONFIG_FILE).write_text(config.to_json())
+  result = _main('--mode=eval', '--config.evaluations.holdout.split=test[:6]',
+                 f'--workdir={workdir}')
   assert result.returncode == 1
   assert result.stderr.strip().splitlines()[-1].startswith('Checkpoint error: No checkpoint'), (
       result.stderr[-2000:])
