@@ -7,8 +7,9 @@ decoded once into NumPy arrays held in memory (`base.Split`), or `Streamed`: rea
 source's files on every pass, decoded in parallel, never whole in memory. Either way, images are
 resized (the preprocessing's first stage) where they are decoded and stay uint8 until batched.
 A crop op (`random_resized_crop`) cuts each training image before batching, where it is decoded
-when streamed (only the window of a JPEG is decoded), from the split in memory otherwise; its
-window is drawn from (seed, epoch, the image's place in the epoch's order).
+when streamed (only the window of a JPEG is decoded), from the split in memory otherwise, and
+with the decoded cache (`Input.decoded_cache`) from a copy decoded once at `CACHE_SIDE` x the
+input size; its window is drawn from (seed, epoch, the image's place in the epoch's order).
 
 Training examples go through tf.data as map (decode and resize, once for a split in memory, on
 every pass when streamed) -> shuffle -> batch -> prefetch, where each batch is also mapped, as
@@ -121,7 +122,7 @@ class Streamed:
   num_examples: int
   image_shape: tuple[int, int, int]
   # A training split of a run with a crop op: epoch seed -> the examples in that epoch's order,
-  # each image cut by the crop op where it is decoded.
+  # each image cut by the crop op where it is decoded (or from the decoded cache).
   cropped: Callable[[int], tf.data.Dataset] | None = None
 
 
