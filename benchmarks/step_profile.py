@@ -122,7 +122,7 @@ def main(argv):
   schedule = run.optimization.learning_rate_schedule(468)  # MNIST's steps per epoch at 128.
   state = state_lib.create(run.model, info, run.optimization, schedule, seed=run.seed,
                            ema_decay=run.ema_decay)
-  train_step = state_lib.make_train_step(run.loss(info.num_classes))
+  train_step = state_lib.make_train_step(run.loss(info.num_classes), run.input.preprocess)
   rng = np.random.default_rng(0)
   batches = [{'image': jnp.asarray(rng.random((config.batch_size, 28, 28, 1), np.float32)),
               'label': jnp.asarray(rng.integers(0, 10, config.batch_size, np.int32))}
