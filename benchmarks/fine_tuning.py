@@ -8,17 +8,20 @@ recipe from scratch at equal steps.
 Folders (`tests/image_folders.make_kind_folder`, 180-320 px, PNG/JPEG/BMP/GIF, a fifth
 grayscale, no damaged files): the source task, digits in random colours (10 classes), and the
 target task, shapes in random colours (4 classes), each with a test split of `--test_images`
-drawn by another seed of the same generator. Every run is `main.py --config=configs/finetune.py` with `train_split=train`,
-`eval_split=test` and one preprocessing for all arms (`--size`: a random resized crop of the
-decoded photo, flipped, ImageNet-normalised; eval the shorter side to size/0.875 and the centre
-crop):
+drawn by another seed of the same generator. Every run is
+`main.py --config=configs/finetune.py` with `train_split=train`, `eval_split=test`, the
+evaluators loss and accuracy, and one preprocessing for all arms (`--size`: a random resized
+crop of 35-100% of the decoded photo's area, so that a digit stays legible, flipped,
+ImageNet-normalised; eval the shorter side to size/0.875 and the centre crop):
   pretrain   the model from scratch on the source task (`--pretrain_epochs`);
   scratch    the target task from scratch (`--epochs`);
   finetune   the same, `--config.init_from=<pretrain workdir>` (the new head by its shape);
   probe      the same with `--config.linear_probe=True --config.learning_rate=0.01`;
   random_probe  a linear probe on the random features of a fresh model (no init_from).
 Prints a table (held-out accuracy after the last epoch, its steps, the run's wall time start-up
-included) and writes `--out` (JSON: the figures, the commands, the machine).
+included) and writes `--out` (JSON: the figures, the commands, the machine). `--concurrent`
+trains the target arms at once (less time in all on a machine with cores to spare; each arm's
+wall time then includes the others'); `--keep_pretrained` reuses a finished pretraining.
 """
 
 import json
@@ -48,6 +51,9 @@ flags.DEFINE_integer('test_images', 120, 'Test images of each task.')
 flags.DEFINE_integer('pretrain_epochs', 3, 'Epochs of pretraining.')
 flags.DEFINE_integer('epochs', 3, 'Epochs of every target run.')
 flags.DEFINE_list('arms', ['scratch', 'finetune', 'probe', 'random_probe'], 'Target runs.')
+flags.DEFINE_bool('concurrent', False, 'Train the target arms at the same time (their wall '
+                  'times then share the machine).')
+flags.DEFINE_bool('keep_pretrained', False, 'Reuse <work>/runs/pretrain if it finished.')
 flags.DEFINE_string('out', None, 'A JSON file for the figures (optional).')
 flags.mark_flags_as_required(['work'])
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,7 +85,8 @@ def command(root: str, workdir: str, epochs: int, extra: list[str]) -> list[str]
           f'--config={os.path.join(ROOT, "configs", "finetune.py")}', f'--workdir={workdir}',
           f'--config.dataset={root}', '--config.train_split=train', '--config.eval_split=test',
           f'--config.model={FLAGS.model}', f'--config.num_epochs={epochs}',
-          f'--config.preprocess=random_resized_crop({FLAGS.size}, scale=(0.35, 1.0))|flip_lr|normalize("imagenet")',
+          f'--config.preprocess=random_resized_crop({FLAGS.size}, scale=(0.35, 1.0))|flip_lr|'
+          'normalize("imagenet")',
           '--config.evaluators=loss|accuracy', *extra]
 
 
@@ -94,17 +101,26 @@ def last_eval(workdir: str) -> dict:
   return last
 
 
-def run(name: str, root: str, epochs: int, extra: list[str]) -> dict:
-  """Trains one arm in <work>/runs/<name> (a fresh workdir); its figures and command."""
+def start(name: str, root: str, epochs: int, extra: list[str]) -> dict:
+  """Starts training one arm in <work>/runs/<name> (a fresh workdir), its output in <name>.log."""
   workdir = os.path.join(FLAGS.work, 'runs', name)
   shutil.rmtree(workdir, ignore_errors=True)
   args = command(root, workdir, epochs, extra)
-  started = time.time()
   with open(workdir + '.log', 'w', encoding='utf-8') as log:
-    subprocess.run(args, check=True, stdout=log, stderr=subprocess.STDOUT)
-  figures = {'arm': name, **last_eval(workdir), 'epochs': epochs,
-             'wall_s': round(time.time() - started, 1),
-             'command': ' '.join(args).replace(sys.executable, 'python')}
+    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+  return {'arm': name, 'workdir': workdir, 'epochs': epochs, 'args': args,
+          'process': process, 'started': time.time()}
+
+
+def finish(run: dict) -> dict:
+  """Waits for a started arm: its figures and command (also in <workdir>.json)."""
+  if run['process'].wait():
+    raise RuntimeError(f'{run["arm"]} failed: see {run["workdir"]}.log')
+  figures = {'arm': run['arm'], **last_eval(run['workdir']), 'epochs': run['epochs'],
+             'wall_s': round(time.time() - run['started'], 1),
+             'command': ' '.join(run['args']).replace(sys.executable, 'python')}
+  with open(run['workdir'] + '.json', 'w', encoding='utf-8') as file:
+    json.dump(figures, file)
   print(json.dumps(figures), flush=True)
   return figures
 
@@ -117,14 +133,27 @@ def main(argv):
   make_task(source, FLAGS.source, 0, FLAGS.source_images, FLAGS.test_images)
   make_task(target, FLAGS.target, 1, FLAGS.target_images, FLAGS.test_images)
   pretrained = os.path.join(FLAGS.work, 'runs', 'pretrain')
-  rows = [run('pretrain', source, FLAGS.pretrain_epochs, [])]
-  for arm in FLAGS.arms:
-    rows.append(run(arm, target, FLAGS.epochs,
-                    [flag.format(pretrained=pretrained) for flag in ARMS[arm]]))
+  rows = []
+  if not any('{pretrained}' in flag for arm in FLAGS.arms for flag in ARMS[arm]):
+    pass  # No arm starts from the pretrained model.
+  elif FLAGS.keep_pretrained and os.path.exists(pretrained + '.json'):
+    with open(pretrained + '.json', encoding='utf-8') as file:
+      rows = [json.load(file)]
+  else:
+    rows = [finish(start('pretrain', source, FLAGS.pretrain_epochs, []))]
+  arms = [lambda arm=arm: start(arm, target, FLAGS.epochs,
+                                [flag.format(pretrained=pretrained) for flag in ARMS[arm]])
+          for arm in FLAGS.arms]
+  if FLAGS.concurrent:
+    started = [arm() for arm in arms]
+    rows += [finish(run) for run in started]
+  else:
+    rows += [finish(arm()) for arm in arms]
   print(f'\n{FLAGS.model} at {FLAGS.size} px; source {FLAGS.source} ({FLAGS.source_images} '
         f'images), target {FLAGS.target} ({FLAGS.target_images}); {FLAGS.test_images} test '
         'images each')
-  print('| run | task | held-out accuracy | steps | wall time (s) |\n| --- | --- | --- | --- | --- |')
+  print('| run | task | held-out accuracy | steps | wall time (s) |\n'
+        '| --- | --- | --- | --- | --- |')
   for row in rows:
     task = FLAGS.source if row['arm'] == 'pretrain' else FLAGS.target
     print(f'| {row["arm"]} | {task} | {100 * row["accuracy"]:.2f}% | {row["steps"]} | '
