@@ -173,20 +173,23 @@ def test_the_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path, caplog)
 @pytest.mark.slow
 def test_two_runs_on_one_workdir_the_second_is_refused(tfds_data_dir, tmp_path):
   workdir = tmp_path / 'run'
-  first = subprocess.Popen(
-      # Long enough that the second run starts before the first ends, on a loaded machine too
-      # (2,048 examples for 1 epoch once ended first in a CI check).
-      _main_command(workdir, tfds_data_dir, '--config.train_split=train[:8192]',
-                    '--config.num_epochs=2', '--config.learning_rate=0.05'),
-      cwd=ROOT, stderr=subprocess.PIPE, text=True)
+  first = subprocess.Popen(_main_command(workdir, tfds_data_dir, '--config.learning_rate=0.05'),
+                           cwd=ROOT, stderr=subprocess.PIPE, text=True)
   try:
     log = []
     for line in first.stderr:  # Wait until the first run holds the workdir and trains.
       log.append(line)
       if 'Training for' in line:
         break
-    second = subprocess.run(_main_command(workdir, tfds_data_dir, '--config.learning_rate=0.2'),
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # Paused while the second run tries, so that it cannot end first however short it is or
+    # however loaded the machine (a stopped process keeps its lock).
+    first.send_signal(signal.SIGSTOP)
+    try:
+      second = subprocess.run(_main_command(workdir, tfds_data_dir,
+                                            '--config.learning_rate=0.2'),
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+    finally:
+      first.send_signal(signal.SIGCONT)
     log.extend(first.stderr)
     first.wait(timeout=300)
   finally:
