@@ -141,8 +141,9 @@ def main(argv):
             f'{len(os.sched_getaffinity(0))})')
   rows = []
   for epoch, images, seconds in ours:
-    rows.append((f'this app, epoch {epoch}' + (' (decodes the files)' if epoch == 1 else
-                                               ' (from the decoded cache)'), images / seconds))
+    later = f' (decoded_cache={config.decoded_cache!r})'
+    rows.append((f'this app, epoch {epoch}' + (' (decodes the files)' if epoch == 1 else later),
+                 images / seconds))
     print(f'{rows[-1][0]}: {images} images in {seconds:.1f} s, {rows[-1][1]:.0f} images/s',
           flush=True)
     if theirs is not None:

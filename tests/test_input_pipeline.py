@@ -308,6 +308,6 @@ def test_input_pipeline_benchmark_prints_images_per_second(tmp_path):
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   lines = result.stdout.strip().splitlines()
   assert lines[0].startswith('CPU: ')
-  assert re.fullmatch(r'this app, epoch 2 \(from the decoded cache\): \d+ images/s', lines[-1])
+  assert re.fullmatch(r"this app, epoch 2 \(decoded_cache='auto'\): \d+ images/s", lines[-1])
   assert re.fullmatch(r'this app, epoch 1 \(decodes the files\): \d+ images/s', lines[-2])
   assert len(list(root.glob('train/*/*.jpg'))) == 20
