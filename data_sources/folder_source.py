@@ -106,19 +106,25 @@ def read_headers(paths: list[str]) -> tuple[list[ImageHeader], list[str]]:
   files/s and the time left.
   """
   start = time.time()
-  headers = []
+  # Counted by the reading threads (list.append is atomic): the main thread submits all the
+  # reads first, and with the GIL shared among 8 readers, that alone can outlast most of them.
+  finished = []
   rate = progress.Rate(0, len(paths))
 
+  def read(path: str) -> ImageHeader | None:
+    header = read_header(path)
+    finished.append(True)
+    return header
+
   def tick() -> None:
-    if measured := rate.update(done := len(headers)):
+    if measured := rate.update(done := len(finished)):
       logging.info('Reading image headers: %d/%d files (%.1f%%), %.0f files/s, ETA %s.', done,
                    len(paths), 100 * done / len(paths), measured[0],
                    progress.duration(measured[1]))
 
   with (concurrent.futures.ThreadPoolExecutor(_SCAN_THREADS) as pool,
         progress.Ticker(tick, _PROGRESS_SECONDS)):
-    for header in pool.map(read_header, paths):  # In order, each as soon as it is read.
-      headers.append(header)
+    headers = list(pool.map(read, paths))
   logging.info('Read the headers of %d files in %.1fs.', len(paths), time.time() - start)
   return ([header for header in headers if header is not None],
           [path for path, header in zip(paths, headers) if header is None])
@@ -373,7 +379,7 @@ def find_files(folder: str) -> list[str]:
   return [entry.path for entry in _visible_files(folder)]
 
 
-def _listed_files(folder: str) -> list[tuple[str, tuple[int, int, int]]]:
+def _listed_files(folder: str) -> list[tuple[str, _Stat | None]]:
   """`find_files(folder)`, each with its (size, mtime, ctime) in ns: one `stat` per file, no
   read."""
   listed = []
