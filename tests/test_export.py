@@ -145,10 +145,12 @@ def test_each_format_in_its_runtime_classifies_as_predict(workdir, export_format
   run, directory, files = workdir
   path = export.export(run, directory, export_format)
   sizes = list(files) if export_format == 'saved_model' else [(SIZE, SIZE)]
+  predicted = {}
   for size in sizes:
-    predicted = _predicted(run, directory, files[size])
-    paths = sorted(predicted)
-    assert _runtime_classes(export_format, path, paths) == [predicted[file] for file in paths], size
+    predicted.update(_predicted(run, directory, files[size]))
+  paths = sorted(predicted)
+  # The files of every size in one fresh process: each start imports the runtime again.
+  assert _runtime_classes(export_format, path, paths) == [predicted[file] for file in paths]
   card = json.loads(open(os.path.join(os.path.dirname(path) if export_format != 'saved_model'
                                       else path, model_card.JSON_FILE)).read())
   assert card['input']['fixed_size'] == (export_format != 'saved_model')
