@@ -170,8 +170,10 @@ def test_the_last_epochs_train_on_unmixed_images_with_one_hot_targets():
     if number < 4:  # Epochs 0 and 1: mixed.
       assert not np.array_equal(batch['image'], plain['image'])
       assert not np.array_equal(batch['target'], one_hot)
-    else:  # The last epoch: the augmented images as without mixing, one-hot targets.
-      np.testing.assert_array_equal(batch['image'], plain['image'])
+    else:  # The last epoch: the augmented images as without mixing (there uint8, here float32
+      # in [0, 1], as mixed batches travel), one-hot targets.
+      np.testing.assert_array_equal(batch['image'],
+                                    plain['image'].astype(np.float32) / np.float32(255))
       np.testing.assert_array_equal(batch['target'], one_hot)
 
 
