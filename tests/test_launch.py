@@ -137,9 +137,11 @@ def _launch(workdir, flags, num_processes, devices_per_process):
 @pytest.mark.parametrize('source', ['tfds', 'folder'])
 def test_two_processes_of_two_devices_match_one_process_of_four(tfds_data_dir, tmp_path, source):
   """Each process reads its own slice of the split, so a global batch equals one process's
-  batch only without shuffling and with one step per epoch: 2 epochs of 1 step of 1,024."""
+  batch only without shuffling and with one step per epoch: 2 epochs of 1 step of 1,024,
+  evaluated on the first 2,000 test images (all 10,000 cost more than the training)."""
   if source == 'tfds':
-    data = [f'--config.data_dir={tfds_data_dir}', '--config.train_split=train[:1024]']
+    data = [f'--config.data_dir={tfds_data_dir}', '--config.train_split=train[:1024]',
+            '--config.eval_split=test[:2000]']
   else:
     root = str(tmp_path / 'shapes')
     image_folders.make_shapes_folder(root, {'train': 342, 'test': 40}, image_sizes=(16, 16),
@@ -156,7 +158,8 @@ def test_two_processes_of_two_devices_match_one_process_of_four(tfds_data_dir, t
     assert [step for step, _ in multi[tag]] == [1, 2], tag
     # Sums over devices and processes (gradients, BatchNorm statistics) add in another order:
     # relative 4e-5 on the eval loss after 2 steps here. After 2 steps many test images sit
-    # near a decision boundary, where that may flip the argmax of an example or two.
+    # near a decision boundary, where that may flip the argmax of an example or two (up to 3
+    # of the 2,000 tfds test images; none of the 40 folder ones).
     np.testing.assert_allclose([value for _, value in multi[tag]],
                                [value for _, value in single[tag]], rtol=1e-4,
-                               atol=3e-4 if tag == 'eval/accuracy' else 0, err_msg=tag)
+                               atol=1.5e-3 if tag == 'eval/accuracy' else 0, err_msg=tag)
