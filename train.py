@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from core import errors
+from core import progress
 from core import runtime
 from data_sources import base
 import input_pipeline
@@ -26,7 +27,6 @@ from training import init_from
 from training import loggers
 from training import parallel
 from training import provenance
-from training import progress
 from training import run_spec
 from training import state as state_lib
 from training import summaries

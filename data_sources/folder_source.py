@@ -40,10 +40,10 @@ from PIL import Image
 import tensorflow as tf
 
 from core import errors
+from core import progress
 import data_sources
 from data_sources import base
 import preprocessing
-from training import progress
 
 FORMATS = ('JPEG', 'PNG', 'BMP', 'GIF')  # What tf.io.decode_image reads (PIL's format names).
 _GRAY_MODES = ('1', 'L', 'LA', 'I', 'I;16', 'I;16B', 'I;16L', 'F')

@@ -35,11 +35,11 @@ import numpy as np
 import tensorflow as tf
 
 from core import errors
+from core import progress
 from data_sources import folder_source
 import modes
 import preprocessing
 from training import calibration
-from training import progress
 from training import run_spec
 
 PREDICTIONS_FILE = 'predictions.csv'

@@ -10,11 +10,11 @@ import pytest
 
 from configs import default
 from core import errors
+from core import progress
 from kernels import cpu
 from training import checkpointing
 from training import evaluation
 from training import hooks
-from training import progress
 from training import run_spec
 from test_train import INFO, create, random_batch
 

@@ -20,11 +20,11 @@ import jax
 import numpy as np
 
 from core import errors
+from core import progress
 from data_sources import base
 import preprocessing
 from training import evaluators as evaluators_lib
 from training import parallel
-from training import progress
 from training import state as state_lib
 
 EVERY_EPOCH = 'epoch'  # At every epoch end.

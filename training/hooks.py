@@ -22,12 +22,12 @@ import jax.numpy as jnp
 import optax
 
 from core import errors
+from core import progress
 from core import runtime
 from data_sources import base
 from training import checkpointing
 from training import evaluation
 from training import optimizers
-from training import progress
 from training import state as state_lib
 
 
