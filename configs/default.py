@@ -40,8 +40,9 @@ def get_config() -> ml_collections.ConfigDict:
   # varying sizes, then at most one per-image crop from the decoded image
   # (random_resized_crop(size, crop_pct=0.875)), then random training ops (flip_lr,
   # random_crop(size, pad), translate(pixels), rotate(degrees)), then at most one scaling
-  # (normalize(mean, std), normalize('imagenet'), or value_range(low, high); default: pixels in
-  # [0, 1]). More random ops: inception_crop(size), color_jitter(...), randaugment(n, m),
+  # (normalize(mean, std), normalize('imagenet'), value_range(low, high) or standardize(
+  # per_channel, polarity), per image; default: pixels in [0, 1]), run inside the compiled
+  # step. More random ops: inception_crop(size), color_jitter(...), randaugment(n, m),
   # random_erasing(p) (preprocessing/strong_augment.py).
   # Eval, predict and the exported model apply the resize, the crop op's centre crop and the
   # scaling. E.g. 'resize(32)|random_crop(32, pad=4)|flip_lr'.

@@ -14,8 +14,9 @@ Every image is decoded to uint8, then goes through the ops in four stages, in th
      `uint8=True` move or mirror pixels without computing new values (`flip_lr`, `random_crop`,
      `translate`) and run on the uint8 batch; when any other op is there (colour jitter,
      rotation, RandAugment, ...) the batch becomes float32 in [0, 1] first and stays float32;
-  4. at most one `scale` op, deterministic: `normalize` or `value_range` (without one, pixels
-     stay in [0, 1]), on the devices, inside the compiled train and eval steps (`scale`).
+  4. at most one `scale` op, deterministic: `normalize`, `value_range` or `standardize`
+     (without one, pixels stay in [0, 1]), on the devices, inside the compiled train and eval
+     steps (`scale`).
 Batches therefore leave the host as uint8 (a quarter of float32's bytes) unless a random op
 computes new pixel values or Mixup blends images: then float32 in [0, 1]. Those values fall
 between uint8's levels, and rounding them back would change the images trained on by up to
@@ -169,10 +170,6 @@ class Preprocessing:
     float32 in [0, 1]. `scale` makes it what the model takes."""
     return self.augment(images if self.keeps_uint8 else self.unit(images), seed)
 
-  def eval_batch(self, images: tf.Tensor) -> tf.Tensor:
-    """A batch of resized uint8 images as the model is evaluated on it: stage 4."""
-    return self.scale(images)
-
   def image_shape(self, source_shape: tuple[int | None, int | None, int],
                   dataset: str) -> tuple[int, int, int]:
     """The model's input shape for images of `source_shape` (height/width None: varying).
@@ -231,7 +228,8 @@ def parse(spec: str, key: str = _KEY) -> Preprocessing:
       raise errors.ConfigError(
           f'config.{key}={spec!r} is invalid: {text!r} comes too late (resize ops come '
           'first, then at most one per-image crop op (random_resized_crop), then random ops, '
-          'then at most one scale op: normalize or value_range).', key=key, value=spec)
+          'then at most one scale op: normalize, value_range or standardize).', key=key,
+          value=spec)
     last_stage = stage
     ops[STAGES[stage]].append(op)
     if STAGES[stage] == 'random':

@@ -79,11 +79,11 @@ def test_resize_methods_and_the_model_input_shape():
 
 def test_scale_ops_map_the_unit_range():
   images = tf.constant(np.array([[[[0], [255]]]], np.uint8))
-  np.testing.assert_allclose(preprocessing.parse('').eval_batch(images).numpy().ravel(), [0, 1])
+  np.testing.assert_allclose(preprocessing.parse('').scale(images).numpy().ravel(), [0, 1])
   np.testing.assert_allclose(
-      preprocessing.parse('value_range(-1, 1)').eval_batch(images).numpy().ravel(), [-1, 1])
+      preprocessing.parse('value_range(-1, 1)').scale(images).numpy().ravel(), [-1, 1])
   np.testing.assert_allclose(
-      preprocessing.parse('normalize(0.5, 0.25)').eval_batch(images).numpy().ravel(), [-2, 2])
+      preprocessing.parse('normalize(0.5, 0.25)').scale(images).numpy().ravel(), [-2, 2])
   with pytest.raises(errors.ConfigError) as error:  # 3 channel values for 1-channel images.
     preprocessing.parse('normalize((0.5, 0.5, 0.5), (1, 1, 1))').image_shape((4, 4, 1), 'd')
   assert error.value.key == 'preprocess'
@@ -93,8 +93,8 @@ def test_scale_ops_give_the_same_values_on_jax_arrays_and_by_name():
   pixels = np.arange(0, 256, 5, np.uint8).reshape(1, -1, 1, 1).repeat(3, axis=-1)
   named, numbers = (preprocessing.parse(spec) for spec in (
       "normalize('imagenet')", 'normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))'))
-  expected = numbers.eval_batch(tf.constant(pixels)).numpy()
-  np.testing.assert_allclose(named.eval_batch(tf.constant(pixels)).numpy(), expected)
+  expected = numbers.scale(tf.constant(pixels)).numpy()
+  np.testing.assert_allclose(named.scale(tf.constant(pixels)).numpy(), expected)
   np.testing.assert_allclose(np.asarray(jax.jit(named.scale)(pixels)), expected, atol=1e-6)
 
 

@@ -133,7 +133,7 @@ def test_pretrained_eval_preprocessing_is_timms(name):
   expected = timm_data.create_transform(**config)(Image.fromarray(image)).permute(1, 2, 0).numpy()
   preprocess = preprocessing.parse(crop.pretrained_spec(
       models.MODELS.capability(name, 'pretrained')))
-  ours = preprocess.eval_batch(preprocess.resize(tf.constant(image))[None])[0].numpy()
+  ours = preprocess.scale(preprocess.resize(tf.constant(image))[None])[0].numpy()
   levels = np.abs(ours - expected) * np.asarray(config['std']) * 255
   assert levels.mean() < 0.5 and levels.max() < 12
   shifted = np.abs(ours[:, 1:] - expected[:, :-1]) * np.asarray(config['std']) * 255
