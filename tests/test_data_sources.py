@@ -204,9 +204,8 @@ def test_torch_batches_match_the_tf_pipeline():
   layout = lambda batch: {key: (value.shape, value.dtype) for key, value in batch.items()}
   assert [layout(batch) for batch in torch_batches] == [layout(batch) for batch in tf_batches]
   for batch in torch_batches:
-    # The same pixel values as the tf.data path: each image is its uint8 source / 255.
-    np.testing.assert_array_equal(batch['image'],
-                                  split.images[batch['label']].astype(np.float32) / 255.0)
+    # The same pixels as the tf.data path: each image is its uint8 source (scaled on the devices).
+    np.testing.assert_array_equal(batch['image'], split.images[batch['label']])
   epochs = _ids(torch_batches).reshape(2, -1)
   assert all(len(set(epoch)) == 96 for epoch in epochs)  # 12 full batches, no repeats.
   assert not np.array_equal(epochs[0], epochs[1])  # Reshuffled every epoch...
