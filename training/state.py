@@ -8,6 +8,7 @@ stage (`Preprocessing.scale`) inside their program.
 """
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 from flax import nnx
@@ -182,8 +183,12 @@ def scaled(batches, preprocess: preprocessing.Preprocessing):
   """`batches` (placed on the devices) with their images scaled by `preprocess` there, for the
   few that go to the model outside the train and eval steps (precise BatchNorm statistics,
   temperature fitting)."""
-  scale = jax.jit(lambda batch: {**batch, 'image': preprocess.scale(batch['image'])})
-  return map(scale, batches)
+  return (_scaled_batch(batch, preprocess) for batch in batches)
+
+
+@functools.partial(jax.jit, static_argnums=1)  # Compiled once per preprocessing, not per call.
+def _scaled_batch(batch: Batch, preprocess: preprocessing.Preprocessing) -> Batch:
+  return {**batch, 'image': preprocess.scale(batch['image'])}
 
 
 @nnx.jit
