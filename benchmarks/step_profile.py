@@ -18,7 +18,6 @@ import os
 import re
 import tempfile
 import time
-from typing import NamedTuple
 
 from core import runtime  # pylint: disable=g-bad-import-order  (first: it must precede tensorflow)
 
@@ -32,6 +31,7 @@ from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top
 
+from benchmarks import hlo  # pylint: disable=g-import-not-at-top
 from benchmarks import timing  # pylint: disable=g-import-not-at-top
 from data_sources import base  # pylint: disable=g-import-not-at-top
 from training import run_spec  # pylint: disable=g-import-not-at-top
@@ -42,62 +42,6 @@ config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config whose st
 flags.DEFINE_integer('steps', 50, 'Steps traced.', lower_bound=1)
 flags.DEFINE_integer('warmup', 20, 'Steps run before tracing.', lower_bound=1)
 flags.DEFINE_integer('rows', 15, 'Operations listed, the slowest first.', lower_bound=1)
-
-class Operation(NamedTuple):
-  """One HLO instruction of the step: what a row of the table says about it."""
-  shape: str
-  backward: bool
-  traced_by: str  # file:function of the innermost Python frame.
-  flops: float  # Of its dots, for matmuls (and fusions around one); else 0.
-
-
-def _table(hlo_text: str, name: str) -> dict[int, str]:
-  """One of the HLO text's numbered tables (FileNames, StackFrames, ...); {} if it has none."""
-  if f'\n{name}\n' not in hlo_text:
-    return {}
-  block = hlo_text.split(f'\n{name}\n', 1)[1].split('\n\n', 1)[0]
-  return {int(line.split(' ', 1)[0]): line.split(' ', 1)[1] for line in block.splitlines()}
-
-
-def operations(hlo_text: str) -> dict[str, Operation]:
-  """{HLO instruction name: Operation} of the entry computation of a compiled module's text."""
-  files, functions = _table(hlo_text, 'FileNames'), _table(hlo_text, 'FunctionNames')
-  locations, frames = _table(hlo_text, 'FileLocations'), _table(hlo_text, 'StackFrames')
-
-  def traced_by(frame: str) -> str:
-    location = dict(re.findall(r'(\w+)=(\d+)', locations[int(re.search(
-        r'file_location_id=(\d+)', frames[int(frame)]).group(1))]))
-    file = os.path.basename(files[int(location['file_name_id'])].strip('"'))
-    function = functions[int(location['function_name_id'])].strip('"')
-    return f'{file}:{function}'
-
-  shapes, computation_flops, found = {}, collections.Counter(), {}
-  computation, entry = '', False
-  for line in hlo_text.splitlines():
-    if header := re.match(r'(ENTRY )?%?([\w.\-]+) \(.*\{$', line):
-      entry, computation = bool(header.group(1)), header.group(2)
-    match = re.match(r'\s*(?:ROOT )?%?([\w.\-]+) = (\w+\[[\d,]*\])\S* ([\w\-]+)\(', line)
-    if not match:
-      continue
-    name, shape, opcode = match.groups()
-    shapes[name] = [int(d) for d in re.findall(r'\d+', shape.split('[')[1])]
-    flops = 0.0
-    if opcode == 'dot':
-      lhs = re.search(r'dot\(%?([\w.\-]+)', line).group(1)
-      contracting = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', line).group(1)
-      k = np.prod([shapes[lhs][int(d)] for d in contracting.split(',') if d])
-      flops = 2.0 * np.prod(shapes[name]) * k
-      computation_flops[computation] += flops
-    if called := re.search(r'calls=%?([\w.\-]+)', line):
-      flops += computation_flops[called.group(1)]
-    if not entry:  # Fused and called computations: their callers are the operations run.
-      continue
-    op_name = re.search(r'op_name="([^"]*)"', line)
-    frame = re.search(r'stack_frame_id=(\d+)', line) if frames else None
-    found[name] = Operation(shape, bool(op_name and 'transpose(' in op_name.group(1)),
-                            traced_by(frame.group(1)) if frame else '', flops)
-  return found
-
 
 def events(trace_dir: str) -> dict[str, float]:
   """{event name: total picoseconds} over the CPU threads' events of the trace."""
@@ -124,10 +68,17 @@ def main(argv):
                            ema_decay=run.ema_decay)
   train_step = state_lib.make_train_step(run.loss(info.num_classes), run.input.preprocess)
   rng = np.random.default_rng(0)
-  batches = [{'image': jnp.asarray(rng.random((config.batch_size, 28, 28, 1), np.float32)),
+  shape = (config.batch_size, *info.image_shape)
+
+  def images():  # What training's batches hold (uint8 unless a random op computes pixels).
+    if run.input.image_dtype == np.uint8:
+      return rng.integers(0, 256, shape, np.uint8)
+    return rng.random(shape, np.float32)
+
+  batches = [{'image': jnp.asarray(images()),
               'label': jnp.asarray(rng.integers(0, 10, config.batch_size, np.int32))}
              for _ in range(4)]
-  hlo = operations(train_step.lower(state, batches[0]).compile().as_text())
+  operations = hlo.operations(train_step.lower(state, batches[0]).compile().as_text())
 
   def run_steps(count: int) -> float:
     """Milliseconds per step of `count` steps, dispatched ahead as training does."""
@@ -147,8 +98,8 @@ def main(argv):
       step_ms = run_steps(FLAGS.steps)
     totals = events(trace_dir)
   peak = timing.matmul_flops_per_sec() / 1e9
-  rows = sorted(((picoseconds / 1e9 / FLAGS.steps, name, hlo[name])
-                 for name, picoseconds in totals.items() if name in hlo), reverse=True)
+  rows = sorted(((picoseconds / 1e9 / FLAGS.steps, name, operations[name])
+                 for name, picoseconds in totals.items() if name in operations), reverse=True)
   print(f'{config.model}, batch {config.batch_size}, cpu_kernels={config.cpu_kernels}, '
         f'{config.compute_dtype}: {untraced[0]:.1f} ms per step untraced (min of 5 x '
         f'{FLAGS.steps}; median {untraced[2]:.1f}), {step_ms:.1f} ms traced, '

@@ -38,17 +38,17 @@ def test_measurement_reports_every_figure(tfds_data_dir, tmp_path, program):
 def test_step_profile_names_each_operation_and_counts_matmul_flops():
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from benchmarks import step_profile  # pylint: disable=g-import-not-at-top
+  from benchmarks import hlo  # pylint: disable=g-import-not-at-top
 
   def layer(x, kernel):
     return jnp.maximum(x @ kernel, 0.0)
 
   x, kernel = jnp.ones((64, 32)), jnp.ones((32, 16))
-  forward = step_profile.operations(jax.jit(layer).lower(x, kernel).compile().as_text())
+  forward = hlo.operations(jax.jit(layer).lower(x, kernel).compile().as_text())
   assert [op.flops for op in forward.values() if op.flops] == [2 * 64 * 32 * 16]
   assert not any(op.backward for op in forward.values())
   gradient = jax.jit(jax.grad(lambda k: layer(x, k).sum()))
-  backward = step_profile.operations(gradient.lower(kernel).compile().as_text())
+  backward = hlo.operations(gradient.lower(kernel).compile().as_text())
   # The gradient's program runs the forward matmul again, then dW = x^T @ dy.
   matmuls = sorted((op.backward, op.flops) for op in backward.values() if op.flops)
   assert matmuls == [(False, 2 * 64 * 32 * 16), (True, 2 * 64 * 32 * 16)]
