@@ -15,8 +15,11 @@ import tensorflow as tf
 
 from configs import default
 from configs import finetune
+from backbones import resnet
+from backbones import vit
 from core import errors
 import input_pipeline
+import models
 import preprocessing
 from preprocessing import mix
 import train
@@ -259,18 +262,25 @@ def test_bad_values_name_the_key(key, value):
   assert error.value.key == key
 
 
+@models.MODELS.register('vit_two_blocks_for_test', key_map=vit.KEY_MAP, layers=vit.LAYERS)
+class ViTTwoBlocks(vit.VisionTransformer):
+  """ViT-Ti/16's code at 2 of its 12 blocks: the same training path, a sixth of the compiling."""
+  features, depth, num_heads = 192, 2, 3
+
+
 def _vit_photos(root: str, **overrides):
-  """configs/finetune.py with a ViT-Ti/16 (its 12 blocks, drop-path and dropout on, the EMA) on
-  a tiny folder of 32-px colour images (2x2 patches: fast), batches of 8."""
+  """configs/finetune.py with a 2-block ViT-Ti/16 (drop-path and dropout on, the EMA) on a tiny
+  folder of 32-px colour images (2x2 patches: fast), batches of 8."""
   image_folders.make_shapes_folder(root, {'train': 16, 'test': 4}, image_sizes=(32, 48),
                                    corrupt=False)
   config = finetune.get_config()
   config.update({'dataset': root, 'train_split': 'train', 'eval_split': 'test',
-                 'model': 'vit_tiny_patch16_224', 'preprocess': 'random_resized_crop(32)|flip_lr',
+                 'model': 'vit_two_blocks_for_test',
+                 'preprocess': 'random_resized_crop(32)|flip_lr',
                  'batch_size': 8, 'eval_batch_size': 12, 'num_epochs': 2, 'ema_decay': 0.9,
                  'layer_decay': 0.75, 'checkpoint_every_steps': 1000,
                  'evaluators': 'loss|accuracy', **overrides})
-  config.model_options.vit_tiny_patch16_224 = {'drop_path_rate': 0.1, 'dropout_rate': 0.1}
+  config.model_options.vit_two_blocks_for_test = {'drop_path_rate': 0.1, 'dropout_rate': 0.1}
   return config
 
 
@@ -291,19 +301,27 @@ def test_a_resumed_vit_run_ends_bit_exactly_like_an_uninterrupted_one(tmp_path, 
     np.testing.assert_array_equal(resumed[name], value, err_msg=name)
 
 
+@models.MODELS.register('resnet10_for_test', key_map=resnet.KEY_MAP, layers=resnet.LAYERS)
+class ResNet10(resnet.ResNet):
+  """ResNet-18's code at one basic block a stage: the same training path, half the compiling."""
+  block, depths = resnet.BasicBlock, (1, 1, 1, 1)
+
+
 def _probe_config(root: str, **overrides):
-  """configs/finetune.py's ResNet-18 on a tiny folder of 32-48 px colour images, resized to 32."""
+  """configs/finetune.py with a ResNet-10 on a tiny folder of 32-48 px colour images, resized
+  to 32."""
   config = finetune.get_config()
   config.update({'dataset': root, 'train_split': 'train', 'eval_split': 'test',
-                 'preprocess': 'resize(32)', 'batch_size': 16, 'eval_batch_size': 32,
-                 'learning_rate': 1e-3, 'warmup_epochs': 0.0, 'num_epochs': 6,
-                 'evaluators': 'loss|accuracy', **overrides})
+                 'model': 'resnet10_for_test', 'preprocess': 'resize(32)', 'batch_size': 16,
+                 'eval_batch_size': 32, 'learning_rate': 1e-3, 'warmup_epochs': 0.0,
+                 'num_epochs': 6, 'evaluators': 'loss|accuracy', **overrides})
+  config.model_options.resnet10_for_test = {'drop_path_rate': 0.05}
   return config
 
 
 @pytest.mark.slow
 def test_a_linear_probe_uses_the_imported_features(tmp_path):
-  """Pretrained on one generated task (where a noisy image is bright: 3 classes), a ResNet-18's
+  """Pretrained on one generated task (where a noisy image is bright: 3 classes), a ResNet-10's
   features linearly separate another (2 classes, other images, a new head): its linear probe
   beats a linear probe on the random features of the same architecture."""
   image_folders.make_shapes_folder(str(tmp_path / 'source'), {'train': 32, 'test': 8},
