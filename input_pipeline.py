@@ -467,32 +467,37 @@ def eval_batches(split: base.Split | Streamed, batch_size: int, num_batches: int
 
 
 class EvalBatches:
-  """The eval batches of a split, an iterable: an in-memory split's batches are kept on the
-  host and placed one by one on every pass; a streamed split is read again on every pass."""
+  """The eval batches of a split, an iterable: an in-memory split's batches are views of its
+  arrays (the split is held once; only a padded batch is a copy), placed one by one on every
+  pass; a streamed split is read again on every pass."""
 
   def __init__(self, split: base.Split | Streamed, batch_size: int, pad: int,
                place: Callable[[Batch], Batch]):
     self._split, self._place = split, place
     self._batch_size, self._pad = batch_size, pad
-    if not isinstance(split, Streamed):
-      self._host_batches = list(self._batches().as_numpy_iterator())
 
-  def _batches(self) -> tf.data.Dataset:
-    if isinstance(self._split, Streamed):
-      real = self._split.examples(None).map(lambda example: {**example, 'mask': True})
-      image_shape = self._split.image_shape
-    else:
-      real = tf.data.Dataset.from_tensor_slices(
-          {'image': self._split.images, 'label': self._split.labels,
-           'mask': np.ones(len(self._split.labels), np.bool_)})
-      image_shape = self._split.images.shape[1:]
+  def _streamed_batches(self) -> Iterator[Batch]:
+    real = self._split.examples(None).map(lambda example: {**example, 'mask': True})
     padding = tf.data.Dataset.from_tensors({
-        'image': tf.zeros(image_shape, tf.uint8), 'label': tf.constant(0, tf.int32),
+        'image': tf.zeros(self._split.image_shape, tf.uint8), 'label': tf.constant(0, tf.int32),
         'mask': tf.constant(False)}).repeat(self._pad)
-    return real.concatenate(padding).batch(self._batch_size).prefetch(_PREFETCH_EVAL)
+    return real.concatenate(padding).batch(self._batch_size).prefetch(
+        _PREFETCH_EVAL).as_numpy_iterator()
+
+  def _array_batches(self) -> Iterator[Batch]:
+    images, labels = self._split.images, self._split.labels
+    num_examples, size = len(labels), self._batch_size
+    for start in range(0, num_examples + self._pad, size):
+      batch = {'image': images[start:start + size], 'label': labels[start:start + size],
+               'mask': np.ones(min(size, max(num_examples - start, 0)), np.bool_)}
+      if (missing := size - len(batch['mask'])):
+        batch = {name: np.concatenate([values, np.zeros((missing, *values.shape[1:]),
+                                                        values.dtype)])
+                 for name, values in batch.items()}
+      yield batch
 
   def __iter__(self) -> Iterator[Batch]:
-    batches = (self._host_batches if not isinstance(self._split, Streamed)
-               else self._batches().as_numpy_iterator())
+    batches = (self._streamed_batches() if isinstance(self._split, Streamed)
+               else self._array_batches())
     for batch in batches:
       yield self._place(batch)

@@ -130,6 +130,9 @@ def test_eval_counts_every_example_exactly_once():
   np.testing.assert_array_equal(np.sort(real), np.arange(1003))
   assert sum(int(batch['mask'].sum()) for batch in batches) == 1003
   assert not batches[-1]['mask'][3:].any() and batches[-1]['mask'][:3].all()
+  assert not batches[-1]['image'][3:].any()  # Zero images pad the last batch.
+  # Full batches are views of the split's arrays: an in-memory eval split is held once.
+  assert all(np.shares_memory(batch['image'], split.images) for batch in batches[:-1])
 
 
 def test_real_mnist_info_and_splits(tfds_data_dir):
