@@ -55,11 +55,14 @@ CACHE_SIDE = 1.15
 INPUT_BACKENDS = ('tf', 'torch')
 # in_memory='auto' keeps a split in memory when its uint8 pixels, at the size it holds them (a
 # training split with a crop op: before the crop), fit in this share of physical memory. Batches
-# leave the host as uint8 too, so no float32 copy is held; an eval split in memory is held
-# twice (the split, and its batches kept for every pass), which the share leaves room for.
+# leave the host as uint8 too, so no float32 copy is held, and an eval split's batches are views
+# of its arrays.
 MEMORY_SHARE = 0.25
 _MAP_BLOCK = 1024  # Examples resized per tf.data map call.
 _PREFETCH_BATCHES = 2  # Training batches prepared ahead of the train loop.
+# tf.data's autotuning of the training batches: off (see `_numpy_batches`); the input-pipeline
+# benchmark's --tf_data_autotune measures it on.
+TF_DATA_AUTOTUNE = False
 _PREFETCH_EVAL = 2  # Eval batches prepared ahead.
 _FEW_EXAMPLES = 10  # A class with fewer training examples than this gets a warning.
 
@@ -431,7 +434,7 @@ def _numpy_batches(batches: tf.data.Dataset) -> Iterator[Batch]:
   # as long as the whole run had taken (about 1 run in 3 here, TF 2.21: a `main.py` that hung
   # after its last checkpoint). Two batches ahead is all the train loop consumes.
   options = tf.data.Options()
-  options.autotune.enabled = False
+  options.autotune.enabled = TF_DATA_AUTOTUNE
   yield from batches.prefetch(_PREFETCH_BATCHES).with_options(options).as_numpy_iterator()
 
 

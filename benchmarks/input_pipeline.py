@@ -9,8 +9,11 @@ epoch: the first decodes the files (and fills the decoded cache, config.decoded_
 later ones crop from the cache. With torch and torchvision installed (the extras), the same
 folder goes through torchvision's `ImageFolder` and a `DataLoader` (`RandomResizedCrop`,
 `RandomHorizontalFlip`, `ToTensor`, `Normalize`; `num_workers` = the usable cores, batch and
-drop_last as the app's), one epoch of it after each of the app's: the two alternate in one
-process, so that a drifting machine load hits both alike. Images/s count the images batched.
+drop_last as the app's); with grain installed too, a Grain pipeline (`MapDataset` of the file
+names, PIL decoding and torchvision's crop and flip in `mp_prefetch`'s worker processes, uint8
+batches as the app's). One epoch of each peer runs after each of the app's: they alternate in
+one process, so that a drifting machine load hits all alike. Images/s count the images batched.
+--tf_data_autotune measures the app with tf.data's autotuning on (training runs it off).
 
 With config.preprocess left empty, the app runs --preprocess, the equivalent of the PyTorch
 transforms. --make_folder=N first writes N generated JPEGs of 180-320 px in 10 classes to
@@ -43,6 +46,9 @@ flags.DEFINE_string('preprocess', "random_resized_crop(224)|flip_lr|normalize('i
 flags.DEFINE_integer('make_folder', 0, 'Generate this many JPEGs in ROOT/train first, if ROOT '
                      'does not exist.', lower_bound=0)
 flags.DEFINE_bool('torch', True, 'Also time PyTorch (needs torch and torchvision).')
+flags.DEFINE_bool('grain', True, 'Also time a Grain pipeline (needs grain and torchvision).')
+flags.DEFINE_bool('tf_data_autotune', False, "tf.data's autotuning of the training batches "
+                  '(input_pipeline.TF_DATA_AUTOTUNE: off in training).')
 
 IMAGE_SIZES = (180, 320)  # Height and width of the generated photos, each.
 ISA = ('avx2', 'avx512', 'amx')  # The prefixes of the lscpu flags printed.
@@ -65,6 +71,7 @@ def app_epochs(config):
   runtime.start()
   import input_pipeline  # pylint: disable=g-import-not-at-top
   from training import run_spec  # pylint: disable=g-import-not-at-top
+  input_pipeline.TF_DATA_AUTOTUNE = FLAGS.tf_data_autotune
   run = run_spec.resolve(config)
   data = input_pipeline.open_data(run.input, {})
   split = input_pipeline.open_split(data, input_pipeline.process_split(
@@ -111,6 +118,51 @@ def torch_epochs(root: str, split: str, batch_size: int, size: int):
     yield epoch, images, time.perf_counter() - start
 
 
+class _PilCrops:
+  """torchvision's RandomResizedCrop and flip on a decoded PIL image, as uint8 (a picklable
+  Grain transform: Grain's workers are processes)."""
+
+  def __init__(self, size: int):
+    from torchvision import transforms  # pylint: disable=g-import-not-at-top  (optional extras)
+    self._crops = transforms.Compose([transforms.RandomResizedCrop(size),
+                                      transforms.RandomHorizontalFlip()])
+
+  def __call__(self, file: tuple[str, int]) -> tuple:
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    from PIL import Image  # pylint: disable=g-import-not-at-top
+    path, label = file
+    with Image.open(path) as image:
+      return np.asarray(self._crops(image.convert('RGB'))), label
+
+
+def grain_epochs(root: str, split: str, batch_size: int, size: int, epochs: int):
+  """Yields (epoch, images, seconds) of a Grain pipeline over root/split, epoch by epoch: file
+  names shuffled, decoded by PIL and cropped by torchvision's transforms in Grain's worker
+  processes (as many as the usable cores, started once), uint8 batches; epochs follow one
+  another in one stream of batches."""
+  import grain  # pylint: disable=g-import-not-at-top  (optional)
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  folder = os.path.join(root, split)
+  classes = sorted(os.listdir(folder))
+  files = [(os.path.join(folder, name, file), label) for label, name in enumerate(classes)
+           for file in sorted(os.listdir(os.path.join(folder, name)))]
+  steps = len(files) // batch_size
+  batches = (grain.MapDataset.source(files).shuffle(seed=0).repeat(epochs).map(_PilCrops(size))
+             .batch(batch_size, drop_remainder=True,
+                    batch_fn=lambda examples: tuple(np.stack(part) for part in zip(*examples)))
+             # Each worker makes one batch at a time, up to 2 ahead (PyTorch's prefetch_factor):
+             # Grain's default (16 threads, 500 ahead) would fill its buffer while the others run.
+             .to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
+             .mp_prefetch(grain.MultiprocessingOptions(
+                 num_workers=len(os.sched_getaffinity(0)))))
+  batches = iter(batches)
+  for epoch in range(1, epochs + 1):
+    start = time.perf_counter()
+    for _ in range(steps):
+      next(batches)
+    yield epoch, steps * batch_size, time.perf_counter() - start
+
+
 def main(argv):
   del argv
   config = FLAGS.config
@@ -124,33 +176,46 @@ def main(argv):
   print(cpu_line())
   print(f'load average at the start: {" ".join(f"{v:.2f}" for v in os.getloadavg())}')
   print(f'this app: config.preprocess={config.preprocess!r}, batch {config.batch_size}, '
-        f'in_memory={config.in_memory!r}, decoded_cache={config.decoded_cache!r}')
+        f'in_memory={config.in_memory!r}, decoded_cache={config.decoded_cache!r}, tf.data '
+        f'autotune {"on" if FLAGS.tf_data_autotune else "off"}')
   size, ours = app_epochs(config)
-  theirs = None
+  split = config.train_split.split('[')[0]  # The peers read the split's folder whole.
+  peers = {}  # name: its epochs, each timed after one of the app's.
   if FLAGS.torch:
     try:
       import torchvision  # pylint: disable=g-import-not-at-top,unused-import
     except ImportError:
       print('PyTorch: not installed (pip install -r requirements-extras.txt): skipped')
     else:
-      # ImageFolder reads the split's folder whole (the app's train_split may be a slice).
-      split = config.train_split.split('[')[0]
-      theirs = torch_epochs(root, split, config.batch_size, size)
+      peers['PyTorch DataLoader'] = torch_epochs(root, split, config.batch_size, size)
       print(f'PyTorch: ImageFolder({root}/{split}), RandomResizedCrop({size}), '
             f'RandomHorizontalFlip, ToTensor, Normalize, DataLoader(num_workers='
             f'{len(os.sched_getaffinity(0))})')
+  if FLAGS.grain:
+    try:
+      import grain  # pylint: disable=g-import-not-at-top,unused-import
+      import torchvision  # pylint: disable=g-import-not-at-top,unused-import,reimported
+    except ImportError:
+      print('Grain: grain or torchvision not installed (requirements-extras.txt): skipped')
+    else:
+      peers['Grain'] = grain_epochs(root, split, config.batch_size, size, config.num_epochs)
+      print(f'Grain: MapDataset of {root}/{split} file names, PIL decoding, torchvision\'s '
+            f'RandomResizedCrop({size}) and flip, uint8 batches, mp_prefetch(num_workers='
+            f'{len(os.sched_getaffinity(0))})')
   rows = []
+
+  def report(name: str, images: int, seconds: float) -> None:
+    rows.append((name, images / seconds))
+    print(f'{name}: {images} images in {seconds:.1f} s, {images / seconds:.0f} images/s',
+          flush=True)
+
   for epoch, images, seconds in ours:
     later = f' (decoded_cache={config.decoded_cache!r})'
-    rows.append((f'this app, epoch {epoch}' + (' (decodes the files)' if epoch == 1 else later),
-                 images / seconds))
-    print(f'{rows[-1][0]}: {images} images in {seconds:.1f} s, {rows[-1][1]:.0f} images/s',
-          flush=True)
-    if theirs is not None:
-      epoch, images, seconds = next(theirs)
-      rows.append((f'PyTorch DataLoader, epoch {epoch}', images / seconds))
-      print(f'{rows[-1][0]}: {images} images in {seconds:.1f} s, {rows[-1][1]:.0f} images/s',
-            flush=True)
+    report(f'this app, epoch {epoch}' + (' (decodes the files)' if epoch == 1 else later),
+           images, seconds)
+    for name, epochs in peers.items():
+      peer_epoch, images, seconds = next(epochs)
+      report(f'{name}, epoch {peer_epoch}', images, seconds)
   print(f'load average at the end: {" ".join(f"{v:.2f}" for v in os.getloadavg())}')
   rows.sort(key=lambda row: row[0].startswith('this app'))  # The app's last epoch last.
   for name, rate in rows:

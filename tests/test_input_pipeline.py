@@ -305,7 +305,7 @@ def test_input_pipeline_benchmark_prints_images_per_second(tmp_path):
   result = subprocess.run(
       [sys.executable, '-m', 'benchmarks.input_pipeline', '--config=configs/finetune.py',
        '--config.data_source=folder', f'--config.dataset={root}', '--config.batch_size=4',
-       '--make_folder=20', '--epochs=2', '--torch=false'],
+       '--make_folder=20', '--epochs=2', '--torch=false', '--grain=false'],
       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
       text=True, timeout=900)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
