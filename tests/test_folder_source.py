@@ -414,7 +414,7 @@ def test_a_read_only_folder_keeps_its_index_in_the_cache_dir(tmp_path, monkeypat
 def test_a_long_header_scan_logs_its_progress(monkeypatch, caplog):
   monkeypatch.setattr(folder_source, '_PROGRESS_SECONDS', 0.02)
   monkeypatch.setattr(folder_source, 'read_header', lambda path: time.sleep(0.01))
-  with caplog.at_level(logging.INFO):
+  with caplog.at_level(logging.INFO, logger='absl'):  # absl's level may be set by now.
     folder_source.read_headers([f'{index}.png' for index in range(200)])
   lines = [record.getMessage() for record in caplog.records
            if record.getMessage().startswith('Reading image headers:')]

@@ -102,7 +102,7 @@ def test_top_k_tta_csv_lists_and_progress(trained, tmp_path, monkeypatch, caplog
   test_images = os.path.join(root, 'test')
   top1 = {row[0]: row[1:] for row in _read(predict.predict(run, workdir, test_images))[1:]}
   monkeypatch.setattr(predict, 'PROGRESS_SECONDS', 0.0)  # A line after every batch but the 1st.
-  with caplog.at_level(logging.INFO):
+  with caplog.at_level(logging.INFO, logger='absl'):  # absl's level may be set by now.
     header, *rows = _read(predict.predict(run, workdir, test_images, top_k=3))
   assert header == ['file', 'class_1', 'probability_1', 'class_2', 'probability_2', 'class_3',
                     'probability_3']
