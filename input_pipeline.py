@@ -491,8 +491,9 @@ class EvalBatches:
     images, labels = self._split.images, self._split.labels
     num_examples, size = len(labels), self._batch_size
     for start in range(0, num_examples + self._pad, size):
-      batch = {'image': images[start:start + size], 'label': labels[start:start + size],
-               'mask': np.ones(min(size, max(num_examples - start, 0)), np.bool_)}
+      real = labels[start:start + size]
+      batch = {'image': images[start:start + size], 'label': real,
+               'mask': np.ones(len(real), np.bool_)}
       if (missing := size - len(batch['mask'])):
         batch = {name: np.concatenate([values, np.zeros((missing, *values.shape[1:]),
                                                         values.dtype)])

@@ -32,6 +32,7 @@ import time
 from absl import app
 from absl import flags
 from ml_collections import config_flags
+import numpy as np
 
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tests'))
@@ -128,7 +129,6 @@ class _PilCrops:
                                       transforms.RandomHorizontalFlip()])
 
   def __call__(self, file: tuple[str, int]) -> tuple:
-    import numpy as np  # pylint: disable=g-import-not-at-top
     from PIL import Image  # pylint: disable=g-import-not-at-top
     path, label = file
     with Image.open(path) as image:
@@ -141,7 +141,6 @@ def grain_epochs(root: str, split: str, batch_size: int, size: int, epochs: int)
   processes (as many as the usable cores, started once), uint8 batches; epochs follow one
   another in one stream of batches."""
   import grain  # pylint: disable=g-import-not-at-top  (optional)
-  import numpy as np  # pylint: disable=g-import-not-at-top
   folder = os.path.join(root, split)
   classes = sorted(os.listdir(folder))
   files = [(os.path.join(folder, name, file), label) for label, name in enumerate(classes)

@@ -15,7 +15,6 @@ for matmuls, the GFLOP/s they reach against a 2048x2048 matmul's in the same pro
 import collections
 import glob
 import os
-import re
 import tempfile
 import time
 
