@@ -13,7 +13,9 @@ input size; its window is drawn from (seed, epoch, the image's place in the epoc
 
 Training examples go through tf.data as map (decode and resize, once for a split in memory, on
 every pass when streamed) -> shuffle -> batch -> prefetch, where each batch is also mapped, as
-it is made, through the preprocessing's random ops (vectorised over the batch). Batches leave
+it is made, through the preprocessing's random ops (vectorised over the batch). With a crop op,
+the images (or the file names, or the cached copies) are shuffled before it cuts them, and the
+crops are batched in that order. Batches leave
 the host as uint8 (unless a random op or Mixup computes new pixel values: `Input.image_dtype`)
 and are scaled on the devices, inside the compiled steps (`Preprocessing.scale`): the host does
 less and sends a quarter of the bytes. With `config.input_backend='torch'` a
@@ -124,8 +126,9 @@ class Streamed:
   examples: Callable[[int | None], tf.data.Dataset]
   num_examples: int
   image_shape: tuple[int, int, int]
-  # A training split of a run with a crop op: epoch seed -> the examples in that epoch's order,
-  # each image cut by the crop op where it is decoded (or from the decoded cache).
+  # A training split of a run with a crop op: epoch seed -> the examples shuffled in that
+  # epoch's order, each image cut by the crop op where it is decoded (or from the decoded
+  # cache).
   cropped: Callable[[int], tf.data.Dataset] | None = None
 
 
@@ -227,7 +230,8 @@ def open_split(data: Data, split: base.SplitArg, inputs: Input,
                  if None in held_shape else '')
     return Streamed(lambda seed: resized(source.examples(split, seed)), num_examples, image_shape,
                     cropped=_cropped(source, split, preprocess, held_shape,
-                                     _decoded_cache(inputs, split, num_examples, image_shape))
+                                     _decoded_cache(inputs, split, num_examples, image_shape),
+                                     inputs.shuffle_buffer_size)
                     if training_crop else None)
   prepare = preprocess.before_crop if training_crop else preprocess.resize
   if None in source.image_shape[:2]:  # Images of varying sizes: resized as they are decoded.
@@ -243,11 +247,18 @@ def open_split(data: Data, split: base.SplitArg, inputs: Input,
 def _cropped(source: base.DataSource, split: base.SplitArg,
              preprocess: preprocessing.Preprocessing,
              held_shape: tuple[int | None, int | None, int],
-             cache: '_Cache | None') -> Callable[[int], tf.data.Dataset]:
+             cache: '_Cache | None', shuffle_buffer_size: int) -> Callable[[int], tf.data.Dataset]:
   """`Streamed.cropped` of `split`: the source cuts the windows as it decodes, unless image ops
   come before the crop op (then its windows are cut from their images), or unless there is a
   decoded `cache`: then every epoch's windows are cut from the cached copies, the files decoded
-  only while the first epoch fills it."""
+  only while the first epoch fills it.
+
+  The shuffle comes before the crops (each window is drawn from the image's place in the
+  epoch's order): of the cached images, or of the file names where the source shuffles whole
+  splits, holding no pixels. Only a source that shuffles its files' order alone has its crops
+  shuffled again, in a buffer of `shuffle_buffer_size` (a second shuffle of the crops slowed
+  the cached epochs by a quarter: docs/performance.md).
+  """
   if cache is not None:
     cached = source.examples(split).map(
         lambda example: {**example, 'image': _shrunk(preprocess.before_crop(example['image']),
@@ -260,11 +271,14 @@ def _cropped(source: base.DataSource, split: base.SplitArg,
   def cropped(seed: int) -> tf.data.Dataset:
     crops = preprocess.crops(seed)
     if not preprocess.image_ops:
-      return source.cropped_examples(split, seed, crops)
-    return crops.each(source.examples(split, seed).map(
-        lambda example: {**example, 'image': tf.ensure_shape(
-            preprocess.before_crop(example['image']), held_shape)},
-        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True))
+      examples = source.cropped_examples(split, seed, crops)
+    else:
+      examples = crops.each(source.examples(split, seed).map(
+          lambda example: {**example, 'image': tf.ensure_shape(
+              preprocess.before_crop(example['image']), held_shape)},
+          num_parallel_calls=tf.data.AUTOTUNE, deterministic=True))
+    return (examples if source.SHUFFLES_EXAMPLES
+            else examples.shuffle(shuffle_buffer_size, seed=seed))
 
   return cropped
 
@@ -362,11 +376,12 @@ def train_batches(split: base.Split | Streamed, data: Data, inputs: Input, batch
   elif isinstance(split, Streamed):
     def epoch_batches(epoch):
       seed = epoch_seed(inputs.seed, epoch)
-      examples = (split.cropped if augment and split.cropped else split.examples)(seed)
-      # The shuffle buffer holds shuffle_buffer_size decoded uint8 examples: the memory that
-      # streaming needs, whatever the split's size.
-      return (examples.shuffle(inputs.shuffle_buffer_size, seed=seed)
-              .batch(batch_size, drop_remainder=True))
+      if augment and split.cropped:  # Shuffled before the crops.
+        examples = split.cropped(seed)
+      else:  # The shuffle buffer holds shuffle_buffer_size decoded uint8 examples: the memory
+        # that streaming needs, whatever the split's size.
+        examples = split.examples(seed).shuffle(inputs.shuffle_buffer_size, seed=seed)
+      return examples.batch(batch_size, drop_remainder=True)
   else:
     examples = tf.data.Dataset.from_tensor_slices({'image': split.images, 'label': split.labels})
     def epoch_batches(epoch):

@@ -41,7 +41,12 @@ class Split:
 
 
 class DataSource(abc.ABC):
-  """An image-classification dataset: metadata first, then splits decoded on request."""
+  """An image-classification dataset: metadata first, then splits decoded on request.
+
+  `SHUFFLES_EXAMPLES`: whether `examples` with a seed comes in an order drawn from the whole
+  split (a perfect shuffle), not only its files' or shards' order.
+  """
+  SHUFFLES_EXAMPLES = False
 
   def __init__(self, name: str):
     self.name = name

@@ -88,8 +88,7 @@ def random_resized_crop(size: int, scale: tuple[float, float] = (0.08, 1.0),
   eval_size = int(size / crop_pct)  # timm's math.floor(img_size / crop_pct).
   return preprocessing.CropOp(
       window=window,
-      resize=lambda image: tf.ensure_shape(resize.resize_images(image, (size, size), method),
-                                           [size, size, None]),
+      resize=lambda image: resize.resize_window(image, size, method),
       eval_op=lambda images: central_crop(size)(_shorter_side_to(images, eval_size, method)))
 
 

@@ -74,6 +74,25 @@ def test_random_resized_crop_cuts_the_original_pixels():
     np.testing.assert_allclose(cut[8, 2:-2, 0], centres[2:-2], atol=1.0)
 
 
+def test_crop_windows_are_box_averaged_where_they_shrink():
+  """The training crop's resize: enlarging, exactly tf.image.resize's bilinear pixels; where a
+  window shrinks, averaged (close to the antialiased kernel, far from plain resampling, which
+  aliases noise); one side shrinking and the other enlarging works too."""
+  from preprocessing import resize  # pylint: disable=g-import-not-at-top
+  image = _photo(96, 120)
+  small = tf.constant(image[:20, :28])
+  enlarged = resize.resize_window(small, 32).numpy()
+  plain = tf.cast(tf.round(tf.image.resize(small, (32, 32))), tf.uint8).numpy()
+  np.testing.assert_array_equal(enlarged, plain)
+  shrunk = resize.resize_window(tf.constant(image), 32).numpy().astype(float)
+  antialiased = tf.image.resize(image, (32, 32), antialias=True).numpy()
+  aliased = tf.image.resize(image, (32, 32)).numpy()
+  # The noise (sigma 25 levels) averages out over the 3-4 pixels each output pixel covers.
+  assert np.abs(shrunk - antialiased).mean() < 0.4 * np.abs(aliased - antialiased).mean()
+  mixed = resize.resize_window(tf.constant(image[:, :24]), 32)
+  assert mixed.shape == (32, 32, 3) and mixed.dtype == tf.uint8
+
+
 def test_resize_small_and_central_crop_against_pil_and_numpy():
   image = _photo(90, 131)
   small = preprocessing.parse("resize_small(40, interpolation='bicubic')").resize(
