@@ -126,6 +126,7 @@ class Streamed:
   examples: Callable[[int | None], tf.data.Dataset]
   num_examples: int
   image_shape: tuple[int, int, int]
+  shuffle_buffer: int  # Decoded examples a training epoch's shuffle holds (`_shuffle_buffer`).
   # A training split of a run with a crop op: epoch seed -> the examples shuffled in that
   # epoch's order, each image cut by the crop op where it is decoded (or from the decoded
   # cache).
@@ -228,10 +229,12 @@ def open_split(data: Data, split: base.SplitArg, inputs: Input,
     logging.info('Streaming split %r of %s (%d examples) from its files%s.', split, source.name,
                  num_examples, ': its crop op cuts images of varying sizes as they are decoded'
                  if None in held_shape else '')
+    shuffle_buffer = _shuffle_buffer(inputs, split, num_examples, math.prod(image_shape))
     return Streamed(lambda seed: resized(source.examples(split, seed)), num_examples, image_shape,
+                    shuffle_buffer,
                     cropped=_cropped(source, split, preprocess, held_shape,
                                      _decoded_cache(inputs, split, num_examples, image_shape),
-                                     inputs.shuffle_buffer_size)
+                                     shuffle_buffer)
                     if training_crop else None)
   prepare = preprocess.before_crop if training_crop else preprocess.resize
   if None in source.image_shape[:2]:  # Images of varying sizes: resized as they are decoded.
@@ -247,7 +250,7 @@ def open_split(data: Data, split: base.SplitArg, inputs: Input,
 def _cropped(source: base.DataSource, split: base.SplitArg,
              preprocess: preprocessing.Preprocessing,
              held_shape: tuple[int | None, int | None, int],
-             cache: '_Cache | None', shuffle_buffer_size: int) -> Callable[[int], tf.data.Dataset]:
+             cache: '_Cache | None', shuffle_buffer: int) -> Callable[[int], tf.data.Dataset]:
   """`Streamed.cropped` of `split`: the source cuts the windows as it decodes, unless image ops
   come before the crop op (then its windows are cut from their images), or unless there is a
   decoded `cache`: then every epoch's windows are cut from the cached copies, the files decoded
@@ -256,7 +259,7 @@ def _cropped(source: base.DataSource, split: base.SplitArg,
   The shuffle comes before the crops (each window is drawn from the image's place in the
   epoch's order): of the cached images, or of the file names where the source shuffles whole
   splits, holding no pixels. Only a source that shuffles its files' order alone has its crops
-  shuffled again, in a buffer of `shuffle_buffer_size` (a second shuffle of the crops slowed
+  shuffled again, in a buffer of `shuffle_buffer` crops (a second shuffle of the crops slowed
   the cached epochs by a quarter: docs/performance.md).
   """
   if cache is not None:
@@ -278,7 +281,7 @@ def _cropped(source: base.DataSource, split: base.SplitArg,
               preprocess.before_crop(example['image']), held_shape)},
           num_parallel_calls=tf.data.AUTOTUNE, deterministic=True))
     return (examples if source.SHUFFLES_EXAMPLES
-            else examples.shuffle(shuffle_buffer_size, seed=seed))
+            else examples.shuffle(shuffle_buffer, seed=seed))
 
   return cropped
 
@@ -294,7 +297,7 @@ def _shrunk(image: tf.Tensor, side: int) -> tf.Tensor:
 class _Cache(NamedTuple):
   """A decoded cache: tf.data's cache file name ('' in memory), the shorter side of its
   images, and the shuffle buffer of each epoch's order (perfect in memory, where the buffer
-  holds references to the cached images; `shuffle_buffer_size` images on disk)."""
+  holds references to the cached images; on disk, `_shuffle_buffer` images read back)."""
   filename: str
   side: int
   shuffle_buffer: int
@@ -321,7 +324,24 @@ def _decoded_cache(inputs: Input, split: base.SplitArg, num_examples: int,
                'MB as uint8), kept %s; the crops of every epoch are cut from that copy.',
                inputs.decoded_cache, split, side, size / 2**20,
                'in memory' if in_memory else f'on disk in {os.path.dirname(filename)}')
-  return _Cache(filename, side, num_examples if in_memory else inputs.shuffle_buffer_size)
+  return _Cache(filename, side, num_examples if in_memory else _shuffle_buffer(
+      inputs, split, num_examples, side * math.ceil(side * 4 / 3) * image_shape[2]))
+
+
+def _shuffle_buffer(inputs: Input, split: base.SplitArg, num_examples: int,
+                    example_bytes: int) -> int:
+  """The shuffle buffer of a streamed split whose decoded examples take `example_bytes` each:
+  `inputs.shuffle_buffer_size`, capped (with a warning) where the examples it would hold do not
+  fit `MEMORY_SHARE` of the memory: the default 60,000 was sized for digits, and 60,000 photos
+  at 224 px are 9 GB. The cap depends on the machine's memory: a run resumed on a machine with
+  less may shuffle in a smaller buffer."""
+  fitting = max(1, int(_memory_budget() // example_bytes))
+  if min(num_examples, inputs.shuffle_buffer_size) <= fitting:
+    return inputs.shuffle_buffer_size
+  logging.warning('config.shuffle_buffer_size=%d: split %r streams %d-byte examples, and the '
+                  'buffer holds at most %d of them in %.0f%% of memory; shuffling in that many.',
+                  inputs.shuffle_buffer_size, split, example_bytes, fitting, MEMORY_SHARE * 100)
+  return fitting
 
 
 def _memory_budget() -> float:
@@ -378,9 +398,9 @@ def train_batches(split: base.Split | Streamed, data: Data, inputs: Input, batch
       seed = epoch_seed(inputs.seed, epoch)
       if augment and split.cropped:  # Shuffled before the crops.
         examples = split.cropped(seed)
-      else:  # The shuffle buffer holds shuffle_buffer_size decoded uint8 examples: the memory
-        # that streaming needs, whatever the split's size.
-        examples = split.examples(seed).shuffle(inputs.shuffle_buffer_size, seed=seed)
+      else:  # The shuffle buffer holds `split.shuffle_buffer` decoded uint8 examples: the
+        # memory that streaming needs, whatever the split's size.
+        examples = split.examples(seed).shuffle(split.shuffle_buffer, seed=seed)
       return examples.batch(batch_size, drop_remainder=True)
   else:
     examples = tf.data.Dataset.from_tensor_slices({'image': split.images, 'label': split.labels})

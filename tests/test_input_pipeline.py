@@ -1,6 +1,7 @@
 """Input pipeline: batch layout, value range, shuffle order, resume, full eval coverage,
 streaming, data errors."""
 
+import logging
 import os
 import re
 import shutil
@@ -295,6 +296,28 @@ def test_decoded_cache_serves_later_epochs_and_resumes_exactly(tmp_path, cache):
     np.testing.assert_array_equal(got['label'], want['label'])
   assert not np.array_equal(first_epoch[0]['image'], second_epoch[0]['image'])
   assert all(batch['image'].dtype == np.uint8 for batch in first_epoch + second_epoch)
+
+
+def test_streamed_shuffle_buffers_hold_what_fits_in_memory(tmp_path, monkeypatch, caplog):
+  """A streamed split's shuffle buffer (and the decoded cache's on disk) holds
+  config.shuffle_buffer_size examples, or as many as fit MEMORY_SHARE of the memory, with a
+  warning naming the setting; the run still trains."""
+  root = str(tmp_path / 'photos')
+  image_folders.make_shapes_folder(root, {'train': 6}, image_sizes=(20, 40), corrupt=False)
+  config = _config(data_source='folder', dataset=root, train_split='train', eval_split='train',
+                   batch_size=4, num_epochs=1, shuffle_buffer_size=12, in_memory='never',
+                   preprocess='random_resized_crop(16)|flip_lr', decoded_cache='disk')
+  run = run_spec.resolve(config)
+  data = input_pipeline.open_data(run.input, {})
+  assert input_pipeline.open_split(data, 'train', run.input).shuffle_buffer == 12
+  # Room for 5 crops of 16x16x3 (768 bytes each), and for 3 cached images of 19x26x3.
+  monkeypatch.setattr(input_pipeline, '_memory_budget', lambda: 5 * 768 + 100)
+  with caplog.at_level(logging.WARNING, logger='absl'):
+    split = input_pipeline.open_split(data, 'train', run.input)
+  assert split.shuffle_buffer == 5
+  assert any('config.shuffle_buffer_size=12' in message for message in caplog.messages)
+  batches = list(input_pipeline.train_batches(split, data, run.input, 4))
+  assert len(batches) == 4 and batches[0]['image'].shape == (4, 16, 16, 3)
 
 
 @pytest.mark.slow
