@@ -119,17 +119,13 @@ def _inception_crop(images: tf.Tensor, seed: tf.Tensor, *, size: int, scale: tup
 
 def crop_windows(seed: tf.Tensor, num, height, width, scale: tuple[float, float],
                  ratio: tuple[float, float]) -> tuple[tf.Tensor, ...]:
-  """`num` windows (tops, lefts, heights, widths: (num,) int32 each) of images `height` x
-  `width` (ints or int32 scalars: all of one size; or (num,) int32: each image's own), drawn as
-  torchvision's RandomResizedCrop draws them: the first of `_box_sizes`' boxes that fits, at a
-  uniform offset."""
-  height = tf.broadcast_to(tf.cast(height, tf.int32), [num])
-  width = tf.broadcast_to(tf.cast(width, tf.int32), [num])
+  """`num` windows (tops, lefts, heights, widths: (num,) int32 each) of a `height` x `width`
+  image (ints, or int32 scalars for one image of any size), drawn as torchvision's
+  RandomResizedCrop draws them: the first of `_box_sizes`' boxes that fits, at a uniform
+  offset."""
   size_seed, row_seed, column_seed = _split(seed, 3)
-  widths, heights = _box_sizes(size_seed, num, tf.cast(height * width, tf.float32)[:, None],
-                               scale, ratio)
-  fits = ((widths > 0) & (widths <= width[:, None]) & (heights > 0)
-          & (heights <= height[:, None]))
+  widths, heights = _box_sizes(size_seed, num, tf.cast(height * width, tf.float32), scale, ratio)
+  fits = (widths > 0) & (widths <= width) & (heights > 0) & (heights <= height)
   found = tf.reduce_any(fits, axis=1)
   # torchvision's fallback when no attempt fits: the centred window of the whole image with its
   # aspect ratio clamped to `ratio`, rounded in float64 as Python's round is.
