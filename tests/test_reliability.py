@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -414,3 +415,27 @@ def test_asyncio_reports_of_orbax_tasks_are_not_printed():
                              'Task exception was never retrieved', (), exc_info)
   assert not checkpointing._orbax_warnings_only(record(exc_info))
   assert checkpointing._orbax_warnings_only(record(None))
+
+
+def test_closed_event_loop_reports_after_a_failed_checkpoint_write_are_not_printed(
+    monkeypatch, capsys):
+  """TensorStore prints 'Event loop is closed' through sys.excepthook when a failed write's
+  other writes end after Orbax's event loop: inside the failed block and at any later moment
+  (after main.py's one line), those reports are dropped; other reports still print, and a
+  block that succeeds prints what it held."""
+  for hook in ('excepthook', 'unraisablehook'):
+    monkeypatch.setattr(sys, hook, getattr(sys, hook))
+  monkeypatch.setattr(threading, 'excepthook', threading.excepthook)
+  closed, other = RuntimeError('Event loop is closed'), ValueError('another failure')
+  with checkpointing._reports_held():
+    sys.excepthook(RuntimeError, closed, None)
+  assert 'Event loop is closed' in capsys.readouterr().err  # Succeeded: printed as usual.
+  with pytest.raises(OSError):
+    with checkpointing._reports_held():
+      sys.excepthook(RuntimeError, closed, None)
+      raise OSError(errno.ENOSPC, 'No space left on device')
+  sys.excepthook(RuntimeError, closed, None)  # Later, as a TensorStore thread ends.
+  threading.excepthook(threading.ExceptHookArgs([RuntimeError, closed, None, None]))
+  assert not capsys.readouterr().err
+  sys.excepthook(ValueError, other, None)
+  assert 'another failure' in capsys.readouterr().err

@@ -130,24 +130,54 @@ def _reports_held():
   """Holds what Orbax's and TensorStore's threads report as they fail inside the block (their
   exceptions that nothing can raise, such as 'Event loop is closed' after a failed read or
   write): dropped if the block fails, since its own error says the same once and the caller
-  reports it in one line; printed as usual if it succeeds."""
-  unraisable, thread_failures, asyncio_records = [], [], []
+  reports it in one line; printed as usual if it succeeds. TensorStore prints through
+  sys.excepthook (PyErr_Print), the others through the unraisable, thread and asyncio hooks."""
+  unraisable, thread_failures, uncaught, asyncio_records = [], [], [], []
   report_unraisable, sys.unraisablehook = sys.unraisablehook, unraisable.append
   report_thread, threading.excepthook = threading.excepthook, thread_failures.append
+  report_uncaught, sys.excepthook = sys.excepthook, lambda *report: uncaught.append(report)
   asyncio_logger = python_logging.getLogger('asyncio')  # 'Task exception was never retrieved'.
   hold_record = lambda record: asyncio_records.append(record) and False
   asyncio_logger.addFilter(hold_record)
+  failed = True
   try:
     yield
+    failed = False
   finally:
     sys.unraisablehook, threading.excepthook = report_unraisable, report_thread
+    sys.excepthook = report_uncaught
     asyncio_logger.removeFilter(hold_record)
+    if failed:
+      _drop_closed_loop_reports()
   for report in unraisable:
     report_unraisable(report)
   for report in thread_failures:
     report_thread(report)
+  for report in uncaught:
+    report_uncaught(*report)
   for record in asyncio_records:
     asyncio_logger.handle(record)
+
+
+def _drop_closed_loop_reports() -> None:
+  """From a failed read or write on, drops the reports of 'RuntimeError: Event loop is closed'
+  (any other report still prints): the failed operation's other TensorStore writes can end
+  later, at any moment (under load, after main.py printed the failure in one line), each
+  calling back into Orbax's event loop, closed by then, and printing the traceback."""
+  closed = lambda error: isinstance(error, RuntimeError) and str(error) == 'Event loop is closed'
+  if getattr(sys.excepthook, 'drops_closed_loops', False):
+    return
+  report_unraisable, report_thread, report_uncaught = (
+      sys.unraisablehook, threading.excepthook, sys.excepthook)
+
+  def uncaught(kind, error, trace):
+    if not closed(error):
+      report_uncaught(kind, error, trace)
+
+  uncaught.drops_closed_loops = True
+  sys.excepthook = uncaught
+  sys.unraisablehook = lambda report: closed(report.exc_value) or report_unraisable(report)
+  threading.excepthook = lambda report: closed(report.exc_value) or report_thread(report)
 
 
 def checkpoint_path(path: str) -> str:
