@@ -24,9 +24,9 @@ random colours at random places (`tests/image_folders.make_kind_folder`,
 network spends its steps on the flat colours, and its dense layer learns each position apart.
 Standardising each channel, then fixing its polarity, let the ResNet learn the figures; at 20
 epochs it still underfit (shapes 79.0% held out, training 73.8%; digits 92.0%), and 60 epochs
-fit them: held out (100 images each; 900 trained on) shapes 98% (seed 0) and 98% (seed 1),
-digits 99% (seed 0), textures 99% (seed 0). The other seeds of 0-2: docs/small_folders.md, with
-every figure (and small_folders_runs.md).
+fit them: held out (100 images each; 900 trained on) shapes 98% and 98% (seeds 0 and 1),
+digits 99% and 100%, textures 98% (seed 0). Every figure, the other seeds as they are measured:
+docs/small_folders.md (and small_folders_runs.md).
 
 The former recipe measured on generated folders of 3 classes of drawn shapes (circle, square,
 triangle, 48x48 RGB, fixed colours, 300 a class: 810 training images, 90 held out), held-out
