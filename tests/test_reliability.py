@@ -423,9 +423,10 @@ def test_closed_event_loop_reports_after_a_failed_checkpoint_write_are_not_print
   other writes end after Orbax's event loop: inside the failed block and at any later moment
   (after main.py's one line), those reports are dropped; other reports still print, and a
   block that succeeds prints what it held."""
+  # Python's own hooks: an earlier failed block in this process may have wrapped the current.
   for hook in ('excepthook', 'unraisablehook'):
-    monkeypatch.setattr(sys, hook, getattr(sys, hook))
-  monkeypatch.setattr(threading, 'excepthook', threading.excepthook)
+    monkeypatch.setattr(sys, hook, getattr(sys, f'__{hook}__'))
+  monkeypatch.setattr(threading, 'excepthook', threading.__excepthook__)
   closed, other = RuntimeError('Event loop is closed'), ValueError('another failure')
   with checkpointing._reports_held():
     sys.excepthook(RuntimeError, closed, None)
