@@ -25,7 +25,7 @@ network spends its steps on the flat colours, and its dense layer learns each po
 Standardising each channel, then fixing its polarity, let the ResNet learn the figures; at 20
 epochs it still underfit (shapes 79.0% held out, training 73.8%; digits 92.0%), and 60 epochs
 fit them: held out (100 images each; 900 trained on) shapes 98% and 98% (seeds 0 and 1),
-digits 99% and 100%, textures 98% (seed 0). Every figure, the other seeds as they are measured:
+digits 99% and 100%, textures 98% and 99%; seed 2 unmeasured. Every figure:
 docs/small_folders.md (and small_folders_runs.md).
 
 The former recipe measured on generated folders of 3 classes of drawn shapes (circle, square,
