@@ -126,7 +126,9 @@ class Streamed:
   examples: Callable[[int | None], tf.data.Dataset]
   num_examples: int
   image_shape: tuple[int, int, int]
-  shuffle_buffer: int  # Decoded examples a training epoch's shuffle holds (`_shuffle_buffer`).
+  # -> the decoded examples a training epoch's shuffle holds (`_shuffle_buffer`), worked out
+  # (and warned about) once, by the first shuffle that needs it: eval never shuffles.
+  shuffle_buffer: Callable[[], int]
   # A training split of a run with a crop op: epoch seed -> the examples shuffled in that
   # epoch's order, each image cut by the crop op where it is decoded (or from the decoded
   # cache).
@@ -229,7 +231,8 @@ def open_split(data: Data, split: base.SplitArg, inputs: Input,
     logging.info('Streaming split %r of %s (%d examples) from its files%s.', split, source.name,
                  num_examples, ': its crop op cuts images of varying sizes as they are decoded'
                  if None in held_shape else '')
-    shuffle_buffer = _shuffle_buffer(inputs, split, num_examples, math.prod(image_shape))
+    shuffle_buffer = functools.cache(functools.partial(
+        _shuffle_buffer, inputs, split, num_examples, math.prod(image_shape)))
     return Streamed(lambda seed: resized(source.examples(split, seed)), num_examples, image_shape,
                     shuffle_buffer,
                     cropped=_cropped(source, split, preprocess, held_shape,
@@ -250,7 +253,8 @@ def open_split(data: Data, split: base.SplitArg, inputs: Input,
 def _cropped(source: base.DataSource, split: base.SplitArg,
              preprocess: preprocessing.Preprocessing,
              held_shape: tuple[int | None, int | None, int],
-             cache: '_Cache | None', shuffle_buffer: int) -> Callable[[int], tf.data.Dataset]:
+             cache: '_Cache | None',
+             shuffle_buffer: Callable[[], int]) -> Callable[[int], tf.data.Dataset]:
   """`Streamed.cropped` of `split`: the source cuts the windows as it decodes, unless image ops
   come before the crop op (then its windows are cut from their images), or unless there is a
   decoded `cache`: then every epoch's windows are cut from the cached copies, the files decoded
@@ -281,7 +285,7 @@ def _cropped(source: base.DataSource, split: base.SplitArg,
               preprocess.before_crop(example['image']), held_shape)},
           num_parallel_calls=tf.data.AUTOTUNE, deterministic=True))
     return (examples if source.SHUFFLES_EXAMPLES
-            else examples.shuffle(shuffle_buffer, seed=seed))
+            else examples.shuffle(shuffle_buffer(), seed=seed))
 
   return cropped
 
@@ -398,9 +402,9 @@ def train_batches(split: base.Split | Streamed, data: Data, inputs: Input, batch
       seed = epoch_seed(inputs.seed, epoch)
       if augment and split.cropped:  # Shuffled before the crops.
         examples = split.cropped(seed)
-      else:  # The shuffle buffer holds `split.shuffle_buffer` decoded uint8 examples: the
+      else:  # The shuffle buffer holds `split.shuffle_buffer()` decoded uint8 examples: the
         # memory that streaming needs, whatever the split's size.
-        examples = split.examples(seed).shuffle(split.shuffle_buffer, seed=seed)
+        examples = split.examples(seed).shuffle(split.shuffle_buffer(), seed=seed)
       return examples.batch(batch_size, drop_remainder=True)
   else:
     examples = tf.data.Dataset.from_tensor_slices({'image': split.images, 'label': split.labels})

@@ -309,13 +309,16 @@ def test_streamed_shuffle_buffers_hold_what_fits_in_memory(tmp_path, monkeypatch
                    preprocess='random_resized_crop(16)|flip_lr', decoded_cache='disk')
   run = run_spec.resolve(config)
   data = input_pipeline.open_data(run.input, {})
-  assert input_pipeline.open_split(data, 'train', run.input).shuffle_buffer == 12
+  assert input_pipeline.open_split(data, 'train', run.input).shuffle_buffer() == 12
   # Room for 5 crops of 16x16x3 (768 bytes each), and for 3 cached images of 19x26x3.
   monkeypatch.setattr(input_pipeline, '_memory_budget', lambda: 5 * 768 + 100)
+  warnings = lambda: [message for message in caplog.messages
+                      if message.startswith('config.shuffle_buffer_size=12')]
   with caplog.at_level(logging.WARNING, logger='absl'):
     split = input_pipeline.open_split(data, 'train', run.input)
-  assert split.shuffle_buffer == 5
-  assert any('config.shuffle_buffer_size=12' in message for message in caplog.messages)
+    assert len(warnings()) == 1  # The disk cache's buffer; the crops' when first needed:
+    assert split.shuffle_buffer() == split.shuffle_buffer() == 5
+  assert len(warnings()) == 2 and '1482-byte' in warnings()[0]  # Once each.
   batches = list(input_pipeline.train_batches(split, data, run.input, 4))
   assert len(batches) == 4 and batches[0]['image'].shape == (4, 16, 16, 3)
 
