@@ -29,6 +29,11 @@ def resize_images(images: tf.Tensor, size, method: str = 'bilinear') -> tf.Tenso
     resized = tf.cond(shrinks, antialiased, lambda: tf.image.resize(images, size))
   else:
     resized = antialiased()
+  return _rounded(resized)
+
+
+def _rounded(resized: tf.Tensor) -> tf.Tensor:
+  """Resized float pixels back to uint8, rounded to nearest."""
   return tf.cast(tf.clip_by_value(tf.round(resized), 0, 255), tf.uint8)
 
 
@@ -48,8 +53,7 @@ def resize_window(window: tf.Tensor, size: int, method: str = 'bilinear') -> tf.
                    lambda: tf.image.resize(window, tf.minimum(shape, size), method='area'),
                    lambda: tf.cast(window, tf.float32))
   resized = tf.image.resize(shrunk, (size, size), method=method, antialias=method != 'bilinear')
-  return tf.ensure_shape(tf.cast(tf.clip_by_value(tf.round(resized), 0, 255), tf.uint8),
-                         [size, size, window.shape[-1]])
+  return tf.ensure_shape(_rounded(resized), [size, size, window.shape[-1]])
 
 
 def check_interpolation(interpolation: str) -> str:
