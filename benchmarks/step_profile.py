@@ -1,10 +1,12 @@
 """Where one train step's time goes: a profile of the compiled step, by operation.
 
     python -m benchmarks.step_profile --config=configs/default.py --steps=50
+    python -m benchmarks.step_profile --config=configs/finetune.py --config.model=resnet50 \
+      --image_shape=224,224,3 --num_classes=1000 --warmup=2 --steps=2 --repeats=2
 
 Builds the state and train step of `config` as training does (same model, layers, optimizer
-and loss; MNIST-shaped random batches, which cost what real ones do), runs warm-up steps, then
-traces --steps steps with `jax.profiler` and reads the trace (an XPlane protobuf, parsed with
+and loss; random batches of --image_shape, MNIST's by default, which cost what real ones do),
+runs warm-up steps, then traces --steps steps with `jax.profiler` and reads the trace (an XPlane protobuf, parsed with
 TensorFlow's copy of its schema). XLA:CPU records one event per operation it runs (a fusion, a
 matmul, a copy...). Each row is one operation of the compiled step: milliseconds per step, its
 share of the step's wall time, its output shape, the pass (forward, or backward: JAX's
@@ -41,6 +43,10 @@ config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config whose st
 flags.DEFINE_integer('steps', 50, 'Steps traced.', lower_bound=1)
 flags.DEFINE_integer('warmup', 20, 'Steps run before tracing.', lower_bound=1)
 flags.DEFINE_integer('rows', 15, 'Operations listed, the slowest first.', lower_bound=1)
+flags.DEFINE_integer('repeats', 5, 'Untraced timings of --steps steps (min and median shown).',
+                     lower_bound=1)
+flags.DEFINE_list('image_shape', ['28', '28', '1'], "The batches' images: height, width, channels.")
+flags.DEFINE_integer('num_classes', 10, 'Classes of the head.', lower_bound=2)
 
 def events(trace_dir: str) -> dict[str, float]:
   """{event name: total picoseconds} over the CPU threads' events of the trace."""
@@ -57,12 +63,33 @@ def events(trace_dir: str) -> dict[str, float]:
   return totals
 
 
+def print_by_function(rows: list[tuple[float, str, hlo.Operation]], step_ms: float) -> None:
+  """The same operations summed by the function that traced them, pass and kind (a matmul, or
+  a fusion or copy without one): where a large step's time goes, which its many small
+  operations hide from the table by operation."""
+  groups = collections.defaultdict(lambda: [0.0, 0, 0.0])
+  for ms, _, operation in rows:
+    group = groups[(operation.traced_by, operation.backward, bool(operation.flops))]
+    group[0] += ms
+    group[1] += 1
+    group[2] += operation.flops
+  print('| traced by | pass | kind | operations | ms per step | share | GFLOP/s |')
+  print('| --- | --- | --- | ---: | ---: | ---: | ---: |')
+  for (traced_by, backward, matmul), (ms, count, flops) in sorted(
+      groups.items(), key=lambda item: -item[1][0])[:FLAGS.rows]:
+    rate = f'{flops / ms / 1e6:.0f}' if flops else ''
+    print(f'| {traced_by} | {"backward" if backward else "forward"} | '
+          f'{"matmul" if matmul else "other"} | {count} | {ms:.1f} | {ms / step_ms:.1%} | '
+          f'{rate} |')
+
+
 def main(argv):
   del argv
   config = FLAGS.config
   run = run_spec.resolve(config)
-  info = base.DatasetInfo('mnist', (28, 28, 1), 10, 60_000, 10_000)
-  schedule = run.optimization.learning_rate_schedule(468)  # MNIST's steps per epoch at 128.
+  info = base.DatasetInfo('random', tuple(int(n) for n in FLAGS.image_shape), FLAGS.num_classes,
+                          60_000, 10_000)
+  schedule = run.optimization.learning_rate_schedule(60_000 // config.batch_size)
   state = state_lib.create(run.model, info, run.optimization, schedule, seed=run.seed,
                            ema_decay=run.ema_decay)
   train_step = state_lib.make_train_step(run.loss(info.num_classes), run.input.preprocess)
@@ -75,7 +102,7 @@ def main(argv):
     return rng.random(shape, np.float32)
 
   batches = [{'image': jnp.asarray(images()),
-              'label': jnp.asarray(rng.integers(0, 10, config.batch_size, np.int32))}
+              'label': jnp.asarray(rng.integers(0, FLAGS.num_classes, config.batch_size, np.int32))}
              for _ in range(4)]
   operations = hlo.operations(train_step.lower(state, batches[0]).compile().as_text())
 
@@ -88,7 +115,7 @@ def main(argv):
     return (time.perf_counter() - start) / count * 1000
 
   run_steps(FLAGS.warmup)
-  untraced = sorted(run_steps(FLAGS.steps) for _ in range(5))
+  untraced = sorted(run_steps(FLAGS.steps) for _ in range(FLAGS.repeats))
   # Host events only: Python's tracer would slow the dispatching thread.
   options = jax.profiler.ProfileOptions()
   options.python_tracer_level = 0
@@ -100,8 +127,9 @@ def main(argv):
   rows = sorted(((picoseconds / 1e9 / FLAGS.steps, name, operations[name])
                  for name, picoseconds in totals.items() if name in operations), reverse=True)
   print(f'{config.model}, batch {config.batch_size}, cpu_kernels={config.cpu_kernels}, '
-        f'{config.compute_dtype}: {untraced[0]:.1f} ms per step untraced (min of 5 x '
-        f'{FLAGS.steps}; median {untraced[2]:.1f}), {step_ms:.1f} ms traced, '
+        f'{config.compute_dtype}, images {info.image_shape}: {untraced[0]:.1f} ms per step '
+        f'untraced (min of {FLAGS.repeats} x {FLAGS.steps}; median '
+        f'{untraced[len(untraced) // 2]:.1f}), {step_ms:.1f} ms traced, '
         f'{sum(row[0] for row in rows):.1f} ms in {len(rows)} XLA operations; 2048x2048 matmul '
         f'{peak:.0f} GFLOP/s')
   print('| operation | ms per step | share | output | pass | traced by | GFLOP/s |')
@@ -112,6 +140,7 @@ def main(argv):
           f'{"backward" if operation.backward else "forward"} | {operation.traced_by} | {rate} |')
   rest = sum(row[0] for row in rows[FLAGS.rows:])
   print(f'| {len(rows) - FLAGS.rows} more | {rest:.2f} | {rest / step_ms:.1%} | | | | |')
+  print_by_function(rows, step_ms)
   matmul_ms = sum(ms for ms, _, operation in rows if operation.flops)
   matmul_flops = sum(operation.flops for _, _, operation in rows if operation.flops)
   print(f'Matmuls: {matmul_ms:.1f} ms per step ({matmul_ms / step_ms:.0%}), '

@@ -10,6 +10,7 @@ swaps these in on CPU.
 """
 
 from collections.abc import Sequence
+import functools
 
 from flax import nnx
 import jax
@@ -18,23 +19,27 @@ import jax.numpy as jnp
 
 
 class Conv(nnx.Conv):
-  """`nnx.Conv` whose 2-D stride-1 'SAME' convolution runs as im2col matmuls in training.
+  """`nnx.Conv` whose 2-D convolutions run as im2col matmuls in training.
 
   Under differentiation the forward pass is patches(x) @ kernel, and the backward pass two
   matmuls (patches^T @ dy for the kernel, dy @ kernel^T for the patches) and the transpose of
   the patch extraction back to the input: XLA:CPU runs these matmuls faster than its own
-  convolutions and their gradients. Without differentiation (eval, predict) it runs XLA's
-  convolution, which needs no patches in memory. The forward pass keeps only the input (as the
-  stock layer does) and the backward pass rebuilds the patches, so one layer's patches are in
-  memory at a time rather than every layer's from the forward pass to its gradient (at 224 px a
-  ResNet's would be gigabytes). A patch matrix larger than `PATCHES_LIMIT_BYTES` (kh * kw times
-  the input's size: large images, wide layers, large batches) is not built: that layer runs as
-  the stock layer does.
+  convolutions and their gradients, strided ones most of all (a ResNet's stem, its strided 3x3
+  and 1x1 shortcut convolutions, whose kernel gradients XLA computes by transposing the
+  activations first). Without differentiation (eval, predict) it runs XLA's convolution, which
+  needs no patches in memory. The forward pass keeps only the input (as the stock layer does)
+  and the backward pass rebuilds the patches, so one layer's patches are in memory at a time
+  rather than every layer's from the forward pass to its gradient (at 224 px a ResNet's would be
+  gigabytes). A patch matrix larger than `PATCHES_LIMIT_BYTES` (kh * kw / (sh * sw) times the
+  input's size: large images, wide layers, large batches) is not built: that layer runs as the
+  stock layer does.
 
-  Takes every `nnx.Conv` argument. Any other convolution (strides, dilation, feature groups,
-  other padding, 1-D or 3-D kernels, a `precision`) runs as the stock layer runs it, so a model
-  may use any convolution. `dtype` works as in the stock layer, which casts the input and kernel
-  to it before the convolution.
+  Takes every `nnx.Conv` argument. The 2-D convolutions it computes its way are those with any
+  strides and padding (flax's 'SAME', 'VALID' or explicit), no dilation, one feature group and
+  no `precision` or preferred type; any other convolution (dilation, feature groups, 1-D or 3-D
+  kernels, a `precision`) runs as the stock layer runs it, so a model may use any convolution.
+  `dtype` works as in the stock layer, which casts the input and kernel to it before the
+  convolution.
   """
 
   def __init__(self, *args, **kwargs):
@@ -51,75 +56,96 @@ _NHWC = lax.ConvDimensionNumbers((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2))
 # matmuls, and bounds a 224-px ResNet's step (docs/performance.md, "Memory at 224 px").
 PATCHES_LIMIT_BYTES = 256 * 2**20
 
+Pads = tuple[tuple[int, int], tuple[int, int]]  # (top, bottom), (left, right).
 
-def patches_bytes(input_shape: tuple[int, ...], kernel_shape: tuple[int, ...],
-                  dtype) -> int:
-  """The size of `conv_same`'s patch matrix for an NHWC input and an HWIO kernel."""
+
+def patches_bytes(input_shape: tuple[int, ...], kernel_shape: tuple[int, ...], dtype,
+                  strides: tuple[int, int] = (1, 1), padding: str | Pads = 'SAME') -> int:
+  """The size of `conv_patches`' patch matrix for an NHWC input and an HWIO kernel."""
   n, h, w, _ = input_shape
   kh, kw, c, _ = kernel_shape
-  return n * h * w * kh * kw * c * jnp.dtype(dtype).itemsize
+  pads = _pads(input_shape, kernel_shape, strides, padding)
+  return (n * _output_size(h, kh, strides[0], pads[0]) * _output_size(w, kw, strides[1], pads[1])
+          * kh * kw * c * jnp.dtype(dtype).itemsize)
+
+
+def _pads(input_shape, kernel_shape, strides, padding) -> Pads:
+  """`padding` as lax reads it ('SAME': the extra row of an odd total at the bottom)."""
+  if isinstance(padding, str):
+    padding = lax.padtype_to_pads(input_shape[1:3], kernel_shape[:2], strides, padding)
+  return tuple(tuple(int(p) for p in pair) for pair in padding)
+
+
+def _output_size(size: int, kernel: int, stride: int, pad: tuple[int, int]) -> int:
+  return (size + sum(pad) - kernel) // stride + 1
 
 
 def _conv_general_dilated(lhs, rhs, window_strides, padding, **options):
-  """`conv_same` behind `nnx.Conv`'s `conv_general_dilated` hook where it computes the same
+  """`conv_patches` behind `nnx.Conv`'s `conv_general_dilated` hook where it computes the same
   convolution with patches of at most `PATCHES_LIMIT_BYTES`; `lax.conv_general_dilated` with
   the same arguments everywhere else."""
-  if (_is_conv_same(window_strides, padding, options)
-      and patches_bytes(lhs.shape, rhs.shape, lhs.dtype) <= PATCHES_LIMIT_BYTES):
-    return conv_same(lhs, rhs)
+  if lhs.ndim == 4 and _is_plain_2d(options):
+    strides = tuple(int(s) for s in window_strides)
+    pads = _pads(lhs.shape, rhs.shape, strides, padding)
+    if (min(min(pair) for pair in pads) >= 0
+        and patches_bytes(lhs.shape, rhs.shape, lhs.dtype, strides, pads) <= PATCHES_LIMIT_BYTES):
+      return conv_patches(lhs, rhs, strides, pads)
   return lax.conv_general_dilated(lhs, rhs, window_strides, padding, **options)
 
 
-def _is_conv_same(window_strides, padding, options: dict) -> bool:
-  """Whether these `lax.conv_general_dilated` arguments ask for `conv_same`'s convolution."""
+def _is_plain_2d(options: dict) -> bool:
+  """Whether these `lax.conv_general_dilated` options ask for `conv_patches`' convolution."""
   undilated = all(tuple(options.get(name) or (1, 1)) == (1, 1)
                   for name in ('lhs_dilation', 'rhs_dilation'))
   defaults = all(options.get(name) is None
                  for name in ('precision', 'preferred_element_type', 'out_sharding'))
-  return (tuple(window_strides) == (1, 1) and padding == 'SAME' and undilated and defaults
-          and options.get('dimension_numbers') == _NHWC
+  return (undilated and defaults and options.get('dimension_numbers') == _NHWC
           and options.get('feature_group_count', 1) == 1)
 
 
-def _patches(x: jax.Array, kernel_shape: tuple[int, ...]) -> jax.Array:
-  """The 'SAME'-padded kh x kw neighbourhood of every pixel: (N, H, W, kh * kw * C)."""
-  kh, kw = kernel_shape[:2]
-  _, h, w, _ = x.shape
-  # lax's 'SAME': kh - 1 rows of zeros in all, the extra one (for even kh) at the bottom.
-  padded = jnp.pad(x, ((0, 0), ((kh - 1) // 2, kh // 2), ((kw - 1) // 2, kw // 2), (0, 0)))
+def _patches(x: jax.Array, kernel_shape: tuple[int, ...], strides: tuple[int, int],
+             pads: Pads) -> jax.Array:
+  """The kh x kw window under every output pixel, padded and strided as the convolution's:
+  (N, H_out, W_out, kh * kw * C), in the kernel's (kh, kw, C) order."""
+  (kh, kw), (sh, sw) = kernel_shape[:2], strides
+  n, h, w, c = x.shape
+  ho, wo = _output_size(h, kh, sh, pads[0]), _output_size(w, kw, sw, pads[1])
+  padded = jnp.pad(x, ((0, 0), *pads, (0, 0)))
   return jnp.concatenate(
-      [padded[:, i:i + h, j:j + w] for i in range(kh) for j in range(kw)], axis=-1)
+      [lax.slice(padded, (0, i, j, 0), (n, i + sh * (ho - 1) + 1, j + sw * (wo - 1) + 1, c),
+                 (1, sh, sw, 1)) for i in range(kh) for j in range(kw)], axis=-1)
 
 
-@jax.custom_vjp
-def conv_same(x: jax.Array, kernel: jax.Array) -> jax.Array:
-  """Stride-1 'SAME' NHWC convolution; under differentiation, one matmul over neighbourhoods."""
-  return lax.conv_general_dilated(x, kernel, (1, 1), 'SAME',
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def conv_patches(x: jax.Array, kernel: jax.Array, strides: tuple[int, int],
+                 pads: Pads) -> jax.Array:
+  """An NHWC x HWIO convolution; under differentiation, one matmul over its windows."""
+  return lax.conv_general_dilated(x, kernel, strides, pads,
                                   dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
 
 
-def _conv_same_fwd(x, kernel):
-  patches = _patches(x, kernel.shape)
+def _conv_patches_fwd(x, kernel, strides, pads):
+  patches = _patches(x, kernel.shape, strides, pads)
   y = patches.reshape(-1, patches.shape[-1]) @ kernel.reshape(-1, kernel.shape[-1])
-  return y.reshape(*x.shape[:3], -1), (x, kernel)
+  return y.reshape(*patches.shape[:3], -1), (x, kernel)
 
 
-def _conv_same_bwd(residuals, dy):
+def _conv_patches_bwd(strides, pads, residuals, dy):
   x, kernel = residuals
   # The barrier ties the patches to `dy`: XLA can neither merge them with the forward pass's
   # (common subexpressions) nor compute them early, either of which would hold every layer's
   # patches from the forward pass until its gradient.
   x, dy = lax.optimization_barrier((x, dy))
-  patches = _patches(x, kernel.shape)
+  patches = _patches(x, kernel.shape, strides, pads)
   dy = dy.reshape(-1, kernel.shape[-1])
   dkernel = (dy.T @ patches.reshape(dy.shape[0], -1)).T  # (out, in) order: the cheaper matmul.
   dpatches = (dy @ kernel.reshape(-1, kernel.shape[-1]).T).reshape(patches.shape)
-  x_shape = jax.ShapeDtypeStruct((*patches.shape[:3], kernel.shape[2]), patches.dtype)
-  dx, = jax.linear_transpose(lambda x: _patches(x, kernel.shape), x_shape)(dpatches)
+  dx, = jax.linear_transpose(lambda x: _patches(x, kernel.shape, strides, pads),
+                             jax.ShapeDtypeStruct(x.shape, x.dtype))(dpatches)
   return dx, dkernel.reshape(kernel.shape)
 
 
-conv_same.defvjp(_conv_same_fwd, _conv_same_bwd)
+conv_patches.defvjp(_conv_patches_fwd, _conv_patches_bwd)
 
 
 def _mix(x: jax.Array) -> jax.Array:
