@@ -3,7 +3,8 @@ task, then linear probing and full fine-tuning on another (other classes), again
 recipe from scratch at equal steps.
 
     python -m benchmarks.fine_tuning --work=/tmp/fine_tuning [--model=resnet18] [--size=64]
-        [--pretrain_epochs=3] [--epochs=3] [--out=docs/fine_tuning_runs.json]
+        [--pretrain_epochs=3] [--pretrain_learning_rate=0.001] [--epochs=3]
+        [--out=docs/fine_tuning_runs.json]
 
 Folders (`tests/image_folders.make_kind_folder`, 180-320 px, PNG/JPEG/BMP/GIF, a fifth
 grayscale, no damaged files): the source task, digits in random colours (10 classes), and the
@@ -50,6 +51,9 @@ flags.DEFINE_integer('target_images', 240, 'Training images of the target task.'
 flags.DEFINE_integer('test_images', 120, 'Test images of each task.')
 flags.DEFINE_integer('pretrain_epochs', 3, 'Epochs of pretraining.')
 flags.DEFINE_integer('epochs', 3, 'Epochs of every target run.')
+flags.DEFINE_float('pretrain_learning_rate', None, "The pretraining's learning rate (default: "
+                   "configs/finetune.py's, a fine-tuning rate; from scratch a higher one learns "
+                   'faster).')
 flags.DEFINE_list('arms', ['scratch', 'finetune', 'probe', 'random_probe'], 'Target runs.')
 flags.DEFINE_bool('concurrent', False, 'Train the target arms at the same time (their wall '
                   'times then share the machine).')
@@ -140,7 +144,9 @@ def main(argv):
     with open(pretrained + '.json', encoding='utf-8') as file:
       rows = [json.load(file)]
   else:
-    rows = [finish(start('pretrain', source, FLAGS.pretrain_epochs, []))]
+    rate = FLAGS.pretrain_learning_rate
+    rows = [finish(start('pretrain', source, FLAGS.pretrain_epochs,
+                         [] if rate is None else [f'--config.learning_rate={rate}']))]
   arms = [lambda arm=arm: start(arm, target, FLAGS.epochs,
                                 [flag.format(pretrained=pretrained) for flag in ARMS[arm]])
           for arm in FLAGS.arms]
