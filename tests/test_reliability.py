@@ -152,6 +152,20 @@ def test_a_second_run_on_a_held_workdir_is_refused(tmp_path):
   assert not (tmp_path / workdirs.LOCK_FILE).exists()  # Released at the end.
 
 
+def test_a_run_whose_workdir_was_replaced_leaves_the_new_lock_alone(tmp_path):
+  """Deleted and recreated under a stopping run (rm -rf, then a new run on the same path):
+  the stopping run ends cleanly and does not remove the new run's lock."""
+  workdir = tmp_path / 'run'
+  workdir.mkdir()
+  with workdirs.hold(str(workdir)):
+    shutil.rmtree(workdir)
+    workdir.mkdir()
+    (workdir / workdirs.LOCK_FILE).write_text('{"pid": 1, "host": "h", "started": "s"}')
+  assert (workdir / workdirs.LOCK_FILE).read_text().startswith('{"pid": 1,')
+  with workdirs.hold(str(workdir)):
+    (workdir / workdirs.LOCK_FILE).unlink()  # Gone: nothing to remove, no error.
+
+
 def test_the_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path, caplog):
   killed = subprocess.run(
       [sys.executable, '-c', textwrap.dedent(f'''

@@ -88,7 +88,20 @@ def hold(workdir: str):
     try:
       yield
     finally:
-      os.remove(path)  # Under the lock still: a run that starts now finds no stale holder.
+      # Under the lock still: a run that starts now finds no stale holder. Only our own file:
+      # if the workdir was deleted and another run's lock now stands there, it stays.
+      if _same_file(lock, path):
+        os.remove(path)
+
+
+def _same_file(file, path: str) -> bool:
+  """Whether `path` still names the open `file` (not removed, nor replaced by another)."""
+  try:
+    found = os.stat(path)
+  except FileNotFoundError:
+    return False
+  held = os.fstat(file.fileno())
+  return (found.st_dev, found.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _holder(lock) -> str:
