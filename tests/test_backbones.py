@@ -408,7 +408,8 @@ def test_remat_keeps_the_gradients(name):
 
 @pytest.mark.slow
 def test_cpu_layers_train_as_the_stock_layers():
-  """The XLA:CPU layers' own gradient (stride-1 'SAME' convolutions) gives the stock one."""
+  """The XLA:CPU layers' own gradient (every convolution, strided ones included) gives the
+  stock one."""
   images = _images(32, 32)
   stock = _loss_and_grads(_create('resnet18', (32, 32, 3)), images)
   cpu = _loss_and_grads(_create('resnet18', (32, 32, 3), layers=kernels.CPU_LAYERS), images)
