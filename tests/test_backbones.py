@@ -409,8 +409,10 @@ def test_remat_keeps_the_gradients(name):
 @pytest.mark.slow
 def test_cpu_layers_train_as_the_stock_layers():
   """The XLA:CPU layers' own gradient (every convolution, strided ones included) gives the
-  stock one."""
-  images = _images(32, 32)
-  stock = _loss_and_grads(_create('resnet18', (32, 32, 3)), images)
-  cpu = _loss_and_grads(_create('resnet18', (32, 32, 3), layers=kernels.CPU_LAYERS), images)
-  _assert_trees_close(cpu, stock, 1e-3)
+  stock one. At 64 px: at 32 px the last stage is 1x1, so its BatchNorms normalise 2 numbers a
+  channel and amplify rounding chaotically (there even the batch's order moved a gradient by
+  0.7%); at 64 px the two layer sets' gradients agreed to 1.3e-6."""
+  images = _images(64, 64)
+  stock = _loss_and_grads(_create('resnet18', (64, 64, 3)), images)
+  cpu = _loss_and_grads(_create('resnet18', (64, 64, 3), layers=kernels.CPU_LAYERS), images)
+  _assert_trees_close(cpu, stock, 1e-4)
