@@ -1,10 +1,10 @@
-"""When fine-tuning pays at photo size: a backbone pretrained by this app on one generated photo
-task, then linear probing and full fine-tuning on another (other classes), against the same
-recipe from scratch at equal steps.
+"""When fine-tuning pays at photo size: a backbone pretrained on one generated photo task (by
+this app, or by timm in PyTorch and imported), then linear probing and full fine-tuning on
+another (other classes), against the same recipe from scratch at equal steps.
 
     python -m benchmarks.fine_tuning --work=/tmp/fine_tuning [--model=resnet18] [--size=64]
-        [--pretrain_epochs=3] [--pretrain_learning_rate=0.001] [--epochs=3]
-        [--out=docs/fine_tuning_runs.json]
+        [--pretrain_with=app|timm] [--pretrain_epochs=3] [--pretrain_learning_rate=0.001]
+        [--epochs=3] [--out=docs/fine_tuning_runs.json]
 
 Folders (`tests/image_folders.make_kind_folder`, 180-320 px, PNG/JPEG/BMP/GIF, a fifth
 grayscale, no damaged files): the source task, digits in random colours (10 classes), and the
@@ -14,9 +14,12 @@ drawn by another seed of the same generator. Every run is
 evaluators loss and accuracy, and one preprocessing for all arms (`--size`: a random resized
 crop of 35-100% of the decoded photo's area, so that a digit stays legible, flipped,
 ImageNet-normalised; eval the shorter side to size/0.875 and the centre crop):
-  pretrain   the model from scratch on the source task (`--pretrain_epochs`);
+  pretrain   the model from scratch on the source task (`--pretrain_epochs`); with
+             `--pretrain_with=timm`, timm's model in PyTorch with the same recipe and
+             preprocessing (`pretrain_in_timm`), its state_dict saved as safetensors;
   scratch    the target task from scratch (`--epochs`);
-  finetune   the same, `--config.init_from=<pretrain workdir>` (the new head by its shape);
+  finetune   the same, `--config.init_from=<pretrain workdir or .safetensors>` (the new head
+             by its shape);
   probe      the same with `--config.linear_probe=True --config.learning_rate=0.01`;
   random_probe  a linear probe on the random features of a fresh model (no init_from).
 Prints a table (held-out accuracy after the last epoch, its steps, the run's wall time start-up
@@ -39,6 +42,9 @@ from absl import flags
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tests'))
 import image_folders  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from benchmarks import timm_training
+from training import optimizers
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string('work', None, 'Where the folders and the runs go.')
 flags.DEFINE_string('model', 'resnet18', 'A registered backbone that declares its layers.')
@@ -57,6 +63,9 @@ flags.DEFINE_float('pretrain_learning_rate', None, "The pretraining's learning r
 flags.DEFINE_list('arms', ['scratch', 'finetune', 'probe', 'random_probe'], 'Target runs.')
 flags.DEFINE_bool('concurrent', False, 'Train the target arms at the same time (their wall '
                   'times then share the machine).')
+flags.DEFINE_enum('pretrain_with', 'app', ['app', 'timm'], 'Who pretrains: this app (the '
+                  'target arms start from its workdir), or timm in PyTorch with the same recipe '
+                  '(they import its state_dict, <work>/runs/pretrain.safetensors).')
 flags.DEFINE_bool('keep_pretrained', False, 'Reuse <work>/runs/pretrain if it finished.')
 flags.DEFINE_string('out', None, 'A JSON file for the figures (optional).')
 flags.mark_flags_as_required(['work'])
@@ -92,6 +101,51 @@ def command(root: str, workdir: str, epochs: int, extra: list[str]) -> list[str]
           f'--config.preprocess=random_resized_crop({FLAGS.size}, scale=(0.35, 1.0))|flip_lr|'
           'normalize("imagenet")',
           '--config.evaluators=loss|accuracy', *extra]
+
+
+def torch_transforms():
+  """The benchmark's preprocessing in torchvision: (training, eval) transforms."""
+  from torchvision import transforms  # pylint: disable=g-import-not-at-top  (optional extra)
+  size = FLAGS.size
+  normalize = [transforms.ToTensor(),
+               transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]
+  return (transforms.Compose([transforms.RandomResizedCrop(size, scale=(0.35, 1.0)),
+                              transforms.RandomHorizontalFlip(), *normalize]),
+          transforms.Compose([transforms.Resize(int(size / 0.875)),
+                              transforms.CenterCrop(size), *normalize]))
+
+
+def pretrain_in_timm(root: str, weights: str) -> dict:
+  """Pretrains timm's model from scratch on root/train with configs/finetune.py's recipe
+  (AdamW, weight decay 0.05, one warm-up epoch, cosine, label smoothing 0.1, drop-path 0.05,
+  batches of 32; no EMA), saves its state_dict to `weights`, scores root/test."""
+  import safetensors.torch  # pylint: disable=g-import-not-at-top  (optional extras)
+  import timm  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  started = time.time()
+  torch.manual_seed(0)
+  classes = os.listdir(os.path.join(root, 'train'))
+  model = timm.create_model(FLAGS.model, pretrained=False, num_classes=len(classes),
+                            drop_path_rate=0.05)
+  training, evaluation = torch_transforms()
+  steps_per_epoch = len(timm_training.image_folder(os.path.join(root, 'train'), None)) // 32
+  # The app's own schedule: one warm-up epoch from 0, then a cosine down to 0.
+  schedule = optimizers.Optimization(
+      optimizer=None, schedule=optimizers.cosine,
+      learning_rate=FLAGS.pretrain_learning_rate or 3e-4, warmup_epochs=1,
+      num_epochs=FLAGS.pretrain_epochs).learning_rate_schedule(steps_per_epoch)
+  timm_training.train(model, os.path.join(root, 'train'), training,
+                      epochs=FLAGS.pretrain_epochs, learning_rate=schedule, label_smoothing=0.1,
+                      num_workers=0)
+  safetensors.torch.save_file(model.state_dict(), weights)
+  score, _ = timm_training.accuracy(model, os.path.join(root, 'test'), evaluation)
+  figures = {'arm': 'pretrain', 'accuracy': score, 'steps': FLAGS.pretrain_epochs *
+             steps_per_epoch, 'epochs': FLAGS.pretrain_epochs,
+             'wall_s': round(time.time() - started, 1),
+             'command': f'timm {FLAGS.model} in PyTorch (benchmarks/fine_tuning.py '
+                        'pretrain_in_timm)'}
+  print(json.dumps(figures), flush=True)
+  return figures
 
 
 def last_eval(workdir: str) -> dict:
@@ -136,13 +190,19 @@ def main(argv):
   target = os.path.join(FLAGS.work, FLAGS.target)
   make_task(source, FLAGS.source, 0, FLAGS.source_images, FLAGS.test_images)
   make_task(target, FLAGS.target, 1, FLAGS.target_images, FLAGS.test_images)
-  pretrained = os.path.join(FLAGS.work, 'runs', 'pretrain')
+  pretrain_run = os.path.join(FLAGS.work, 'runs', 'pretrain')
+  pretrained = (pretrain_run if FLAGS.pretrain_with == 'app'
+                else pretrain_run + '.safetensors')
   rows = []
   if not any('{pretrained}' in flag for arm in FLAGS.arms for flag in ARMS[arm]):
     pass  # No arm starts from the pretrained model.
-  elif FLAGS.keep_pretrained and os.path.exists(pretrained + '.json'):
-    with open(pretrained + '.json', encoding='utf-8') as file:
+  elif FLAGS.keep_pretrained and os.path.exists(pretrain_run + '.json'):
+    with open(pretrain_run + '.json', encoding='utf-8') as file:
       rows = [json.load(file)]
+  elif FLAGS.pretrain_with == 'timm':
+    rows = [pretrain_in_timm(source, pretrained)]
+    with open(pretrain_run + '.json', 'w', encoding='utf-8') as file:
+      json.dump(rows[0], file)
   else:
     rate = FLAGS.pretrain_learning_rate
     rows = [finish(start('pretrain', source, FLAGS.pretrain_epochs,
@@ -166,7 +226,8 @@ def main(argv):
           f'{row["wall_s"]:.0f} |')
   if FLAGS.out:
     with open(FLAGS.out, 'w', encoding='utf-8') as file:
-      json.dump({'model': FLAGS.model, 'size': FLAGS.size, 'source': FLAGS.source,
+      json.dump({'model': FLAGS.model, 'size': FLAGS.size, 'pretrain_with': FLAGS.pretrain_with,
+                 'source': FLAGS.source,
                  'target': FLAGS.target, 'source_images': FLAGS.source_images,
                  'target_images': FLAGS.target_images, 'test_images': FLAGS.test_images,
                  'machine': f'{platform.processor() or platform.machine()}, '

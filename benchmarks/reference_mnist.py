@@ -1,10 +1,11 @@
 """The reference to beat: the official Flax NNX MNIST example's training loop, as published.
 
-Kept only so that `python -m benchmarks.benchmark --reference` can measure it side by side with this project on
-the same machine: the same CNN with `nnx.Dropout` (bernoulli masks) and reduce-window average
-pooling, SGD lr 0.1 momentum 0.9, batch 128, tf.data map -> shuffle(1024) -> batch -> prefetch(1),
-a Python loop calling an `nnx.jit` step per batch, `nnx.MultiMetric`, and per-epoch evaluation
-on `drop_remainder` test batches (9,984 of the 10,000 images).
+Kept only so that `python -m benchmarks.benchmark --reference` can measure it side by side with
+this project on the same machine: the same CNN with `nnx.Dropout` (bernoulli masks) and
+reduce-window average pooling, SGD lr 0.1 momentum 0.9, batch 128, tf.data map ->
+shuffle(1024) -> batch -> prefetch(1), a Python loop calling an `nnx.jit` step per batch,
+`nnx.MultiMetric`, and per-epoch evaluation on `drop_remainder` test batches (9,984 of the
+10,000 images).
 """
 
 import functools

@@ -10,8 +10,9 @@ For each kind and seed, writes a folder of 1,000 images of 40-80 px with messy f
 (`eval/accuracy`, the last 10% of `train`) and the training accuracy (`train/accuracy_epoch`,
 the mean over the last epoch's augmented batches) at the last epoch, the epochs, and the run's
 wall time (start-up included), with the CPU's model and the machine's load average (1 minute)
-before and after the run: the machine is shared, so wall times are only comparable at equal load. Appends one row per run to `<out>.json` and rewrites `<out>.md`
-(a table of every row), so that runs of several recipes, failures included, stay side by side.
+before and after the run: the machine is shared, so wall times are only comparable at equal
+load. Appends one row per run to `<out>.json` and rewrites `<out>.md` (a table of every
+row), so that runs of several recipes, failures included, stay side by side.
 """
 
 import json

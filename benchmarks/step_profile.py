@@ -7,11 +7,12 @@
 Builds the state and train step of `config` as training does (same model, layers, optimizer
 and loss; random batches of --image_shape, MNIST's by default, which cost what real ones do),
 runs warm-up steps, then traces --steps steps with `jax.profiler` and reads the trace (an
-XPlane protobuf, parsed with TensorFlow's copy of its schema). XLA:CPU records one event per operation it runs (a fusion, a
-matmul, a copy...). Each row is one operation of the compiled step: milliseconds per step, its
-share of the step's wall time, its output shape, the pass (forward, or backward: JAX's
-`transpose(jvp(...))`), the Python function that traced it (from the HLO's stack frames) and,
-for matmuls, the GFLOP/s they reach against a 2048x2048 matmul's in the same process.
+XPlane protobuf, parsed with TensorFlow's copy of its schema). XLA:CPU records one event per
+operation it runs (a fusion, a matmul, a copy...). Each row is one operation of the compiled
+step: milliseconds per step, its share of the step's wall time, its output shape, the pass
+(forward, or backward: JAX's `transpose(jvp(...))`), the Python function that traced it (from
+the HLO's stack frames) and, for matmuls, the GFLOP/s they reach against a 2048x2048 matmul's
+in the same process.
 """
 
 import collections

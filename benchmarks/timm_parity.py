@@ -10,8 +10,9 @@ noisy image is; random colours) of 180-320 px, in PNG/JPEG/BMP/GIF, a third of t
 no damaged files (timm's ImageFolder would stop at one); `--train_images` and `--test_images`
 per class. torchvision's ImageFolder is told to read the GIFs too, so both score every file.
 timm trains with its own train transform (`create_transform(..., is_training=True)`), AdamW at
-1e-3, batches of 32; the weights go to `<work>/<model>.safetensors`
-(`safetensors.torch.save_file(model.state_dict(), ...)`).
+1e-3 (weight decay 0.05 on weights, not biases and norms), batches of 32 (`timm_training`);
+the weights go to `<work>/<model>.safetensors` (`safetensors.torch.save_file(model.state_dict(),
+...)`).
 Prints and writes (`--out`, JSON) both accuracies, the difference in points, the commands and
 the machine.
 """
@@ -22,13 +23,14 @@ import platform
 import shutil
 import subprocess
 import sys
-import time
 
 from absl import app
 from absl import flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tests'))
 import image_folders  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from benchmarks import timm_training
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('work', None, 'Where the folder, the weights and the app run go.')
@@ -47,14 +49,9 @@ def make_folder(root: str) -> None:
                                    image_sizes=(180, 320), corrupt=False)
 
 
-def image_folder(root: str, transform):
-  """torchvision's ImageFolder of every file (its default extensions leave GIFs out)."""
-  import torchvision  # pylint: disable=g-import-not-at-top  (optional extra)
-  return torchvision.datasets.ImageFolder(root, transform, is_valid_file=lambda path: True)
-
-
 def train_and_save(root: str, weights: str):
-  """Trains the timm model on root/train; saves its state_dict; returns it in eval mode."""
+  """Trains the timm model on root/train; saves its state_dict; returns it in eval mode and
+  its data config."""
   import safetensors.torch  # pylint: disable=g-import-not-at-top  (optional extras)
   import timm  # pylint: disable=g-import-not-at-top
   import timm.data  # pylint: disable=g-import-not-at-top
@@ -63,22 +60,9 @@ def train_and_save(root: str, weights: str):
   classes = sorted(os.listdir(os.path.join(root, 'train')))
   model = timm.create_model(FLAGS.model, pretrained=False, num_classes=len(classes))
   config = timm.data.resolve_data_config({}, model=model)
-  images = image_folder(os.path.join(root, 'train'),
-                        timm.data.create_transform(**config, is_training=True))
-  loader = torch.utils.data.DataLoader(images, batch_size=32, shuffle=True, num_workers=2)
-  optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
-  model.train()
-  for epoch in range(FLAGS.epochs):
-    started, total = time.time(), 0.0
-    for inputs, labels in loader:
-      loss = torch.nn.functional.cross_entropy(model(inputs), labels)
-      optimizer.zero_grad()
-      loss.backward()
-      optimizer.step()
-      total += loss.item() * len(labels)
-    print(f'timm epoch {epoch + 1}/{FLAGS.epochs}: loss {total / len(images):.4f} '
-          f'({time.time() - started:.0f} s)', flush=True)
-  model.eval()
+  timm_training.train(model, os.path.join(root, 'train'),
+                      timm.data.create_transform(**config, is_training=True),
+                      epochs=FLAGS.epochs, learning_rate=lambda step: 1e-3)
   safetensors.torch.save_file(model.state_dict(), weights)
   return model, config
 
@@ -86,13 +70,8 @@ def train_and_save(root: str, weights: str):
 def timm_accuracy(model, config, root: str) -> tuple[float, int]:
   """timm's evaluation: its eval transform (resolve_data_config + create_transform)."""
   import timm.data  # pylint: disable=g-import-not-at-top
-  import torch  # pylint: disable=g-import-not-at-top
-  images = image_folder(os.path.join(root, 'test'), timm.data.create_transform(**config))
-  correct = 0
-  with torch.no_grad():
-    for inputs, labels in torch.utils.data.DataLoader(images, batch_size=64):
-      correct += int((model(inputs).argmax(dim=1) == labels).sum())
-  return correct / len(images), len(images)
+  return timm_training.accuracy(model, os.path.join(root, 'test'),
+                                timm.data.create_transform(**config))
 
 
 def app_eval_command(root: str, weights: str, workdir: str) -> list[str]:
@@ -124,7 +103,8 @@ def main(argv):
   app_score = app_accuracy(root, weights, workdir)
   figures = {
       'model': FLAGS.model, 'epochs': FLAGS.epochs, 'train_images': FLAGS.train_images,
-      'test_images': FLAGS.test_images, 'timm_examples': timm_count, 'timm_data_config': {k: str(v) for k, v in config.items()},
+      'test_images': FLAGS.test_images, 'timm_examples': timm_count,
+      'timm_data_config': {k: str(v) for k, v in config.items()},
       'timm_accuracy': timm_score, 'app_accuracy': app_score,
       'difference_points': round(100 * (app_score - timm_score), 3),
       'app_command': ' '.join(app_eval_command(root, weights, workdir)),
