@@ -60,6 +60,10 @@ flags.DEFINE_integer('epochs', 3, 'Epochs of every target run.')
 flags.DEFINE_float('pretrain_learning_rate', None, "The pretraining's learning rate (default: "
                    "configs/finetune.py's, a fine-tuning rate; from scratch a higher one learns "
                    'faster).')
+flags.DEFINE_bool('standardize', False, 'Standardise each image per channel, the polarity '
+                  "by its skewness (`standardize(per_channel=True, polarity=True)`, the small-"
+                  "folder recipe's), instead of ImageNet's normalisation: random colours then "
+                  'say nothing.')
 flags.DEFINE_list('arms', ['scratch', 'finetune', 'probe', 'random_probe'], 'Target runs.')
 flags.DEFINE_bool('concurrent', False, 'Train the target arms at the same time (their wall '
                   'times then share the machine).')
@@ -71,6 +75,7 @@ flags.DEFINE_string('out', None, 'A JSON file for the figures (optional).')
 flags.mark_flags_as_required(['work'])
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHOTO_SIZES = (180, 320)
+STANDARDIZE = 'standardize(per_channel=True, polarity=True)'
 # The target arms: their flags on top of the common ones ({pretrained}: the pretrain workdir).
 ARMS = {'scratch': [],
         'finetune': ['--config.init_from={pretrained}'],
@@ -99,16 +104,25 @@ def command(root: str, workdir: str, epochs: int, extra: list[str]) -> list[str]
           f'--config.dataset={root}', '--config.train_split=train', '--config.eval_split=test',
           f'--config.model={FLAGS.model}', f'--config.num_epochs={epochs}',
           f'--config.preprocess=random_resized_crop({FLAGS.size}, scale=(0.35, 1.0))|flip_lr|'
-          'normalize("imagenet")',
+          + (STANDARDIZE if FLAGS.standardize else 'normalize("imagenet")'),
           '--config.evaluators=loss|accuracy', *extra]
 
 
 def torch_transforms():
-  """The benchmark's preprocessing in torchvision: (training, eval) transforms."""
-  from torchvision import transforms  # pylint: disable=g-import-not-at-top  (optional extra)
+  """The benchmark's preprocessing in torchvision: (training, eval) transforms. The
+  standardisation is the app's own op, applied to each image's NumPy array."""
+  import torch  # pylint: disable=g-import-not-at-top  (optional extras)
+  from torchvision import transforms  # pylint: disable=g-import-not-at-top
+  # After torch: importing TensorFlow first makes timm's import of triton crash.
+  import preprocessing  # pylint: disable=g-import-not-at-top
   size = FLAGS.size
-  normalize = [transforms.ToTensor(),
-               transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]
+  if FLAGS.standardize:
+    op = preprocessing.parse(STANDARDIZE).scale
+    normalize = [transforms.ToTensor(), transforms.Lambda(
+        lambda image: torch.from_numpy(op(image.permute(1, 2, 0).numpy())).permute(2, 0, 1))]
+  else:
+    normalize = [transforms.ToTensor(),
+                 transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]
   return (transforms.Compose([transforms.RandomResizedCrop(size, scale=(0.35, 1.0)),
                               transforms.RandomHorizontalFlip(), *normalize]),
           transforms.Compose([transforms.Resize(int(size / 0.875)),
