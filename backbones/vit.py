@@ -29,6 +29,7 @@ class Attention(nnx.Module):
 
   def __init__(self, features: int, num_heads: int, *, layers: kernels.Layers, rngs: nnx.Rngs):
     self.num_heads = num_heads
+    self.attend = layers.attention  # jax.nn.dot_product_attention or its XLA:CPU stand-in.
     self.qkv = layers.linear(features, 3 * features, kernel_init=common.TRUNC_NORMAL, rngs=rngs)
     self.proj = layers.linear(features, features, kernel_init=common.TRUNC_NORMAL, rngs=rngs)
 
@@ -36,7 +37,7 @@ class Attention(nnx.Module):
     batch, tokens, features = x.shape
     qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, features // self.num_heads)
     # Scaled by 1 / sqrt(head features), softmax over the keys, as torch's SDPA.
-    x = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+    x = self.attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
     return self.proj(x.reshape(batch, tokens, features))
 
 

@@ -1,11 +1,11 @@
 """The layers models are built from: flax's stock layers, or faster ones with the same function.
 
-Models take a `Layers` and build their convolutions, dense layers, batch norms, dropout and
-pooling from it, the way flax's imagenet example injects `conv: ModuleDef`. `select_layers` is the
-one place that decides, by `config.cpu_kernels` and JAX's backend, whether the stock layers or the
-XLA:CPU ones (`kernels/cpu.py`) are used, and, by `config.compute_dtype`, the dtype the layers
-compute in (their parameters stay float32). All build the same parameters, so a checkpoint
-written with one restores into the other.
+Models take a `Layers` and build their convolutions, dense layers, batch norms, dropout,
+pooling and attention from it, the way flax's imagenet example injects `conv: ModuleDef`.
+`select_layers` is the one place that decides, by `config.cpu_kernels` and JAX's backend,
+whether the stock layers or the XLA:CPU ones (`kernels/cpu.py`) are used, and, by
+`config.compute_dtype`, the dtype the layers compute in (their parameters stay float32). All
+build the same parameters, so a checkpoint written with one restores into the other.
 """
 
 from collections.abc import Callable
@@ -31,10 +31,12 @@ class Layers:
   batch_norm: Callable[..., nnx.BatchNorm] = nnx.BatchNorm
   dropout: Callable[..., nnx.Dropout] = nnx.Dropout
   avg_pool: Callable[..., jax.Array] = nnx.avg_pool
+  attention: Callable[..., jax.Array] = jax.nn.dot_product_attention
 
 
 STOCK_LAYERS = Layers()
-CPU_LAYERS = Layers(conv=cpu.Conv, dropout=cpu.Dropout, avg_pool=cpu.avg_pool)
+CPU_LAYERS = Layers(conv=cpu.Conv, dropout=cpu.Dropout, avg_pool=cpu.avg_pool,
+                    attention=cpu.dot_product_attention)
 
 
 def select_layers(cpu_kernels: str, backend: str | None = None,

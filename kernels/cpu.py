@@ -213,3 +213,26 @@ def avg_pool(inputs: jax.Array, window_shape: Sequence[int], strides: Sequence[i
   (wh, ww), (n, h, w, c) = window_shape, inputs.shape
   x = inputs[:, :h // wh * wh, :w // ww * ww]
   return x.reshape(n, h // wh, wh, w // ww, ww, c).mean(axis=(2, 4))
+
+
+def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array,
+                          bias: jax.Array | None = None, mask: jax.Array | None = None,
+                          **options) -> jax.Array:
+  """`jax.nn.dot_product_attention`, its float32 inputs (batch, tokens, heads, head features)
+  with no bias, mask or other option computed with the heads moved before the tokens.
+
+  The stock function contracts 'BTNH,BSNH->BNTS': each batched matmul has its batch dimensions
+  apart (B first, N third), which XLA:CPU lays out by copies inside the forward and backward
+  matmuls. With the inputs transposed to (B, N, T, H) once, both matmuls and their gradients
+  are plain batched matmuls (ViT-S/16's attention at 224 px, batch 32: docs/backbone_speed.md).
+  The arithmetic is the stock function's: float32 logits scaled by 1 / sqrt(H), a softmax over
+  the keys. Any other case (bfloat16, a bias or mask, causal, lengths) runs as the stock
+  function runs it.
+  """
+  if bias is not None or mask is not None or options or {
+      query.dtype, key.dtype, value.dtype} != {jnp.dtype(jnp.float32)}:
+    return jax.nn.dot_product_attention(query, key, value, bias, mask, **options)
+  query, key, value = (jnp.swapaxes(x, -3, -2) for x in (query, key, value))
+  logits = jnp.einsum('bnth,bnsh->bnts', query, key) * (query.shape[-1] ** -0.5)
+  encoded = jnp.einsum('bnts,bnsh->bnth', jax.nn.softmax(logits, axis=-1), value)
+  return jnp.swapaxes(encoded, -3, -2)

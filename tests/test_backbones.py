@@ -107,6 +107,7 @@ def _num_arrays(model: nnx.Module) -> int:
                    id=name) for name in BACKBONES],
     # The XLA:CPU layers take the same arguments (e.g. depthwise feature groups).
     pytest.param('resnet18', kernels.CPU_LAYERS, id='resnet18-cpu_layers'),
+    pytest.param('vit_tiny_patch16_224', kernels.CPU_LAYERS, id='vit_tiny_patch16_224-cpu_layers'),
     pytest.param('efficientnet_b0', kernels.CPU_LAYERS, id='efficientnet_b0-cpu_layers',
                  marks=pytest.mark.slow)])
 def test_same_logits_and_parameters_as_timm(name, layers, tmp_path):

@@ -119,3 +119,30 @@ def test_avg_pool_computes_every_other_pooling_as_the_stock_function(arguments):
   y = jax.random.normal(jax.random.key(1), (2, 7, 9, 3))
   np.testing.assert_allclose(cpu.avg_pool(y, **arguments), nnx.avg_pool(y, **arguments),
                              rtol=1e-6, atol=1e-6)
+
+
+def _attention_inputs(dtype=jnp.float32):
+  """Query, key and value (batch, tokens, heads, head features), and an output cotangent."""
+  keys = jax.random.split(jax.random.key(2), 4)
+  return [jax.random.normal(k, (2, 17, 3, 8), dtype) for k in keys]
+
+
+def test_attention_and_its_gradients_equal_the_stock_function():
+  *qkv, cotangent = _attention_inputs()
+  loss = lambda f: lambda *qkv: jnp.vdot(f(*qkv), cotangent)
+  np.testing.assert_allclose(cpu.dot_product_attention(*qkv), jax.nn.dot_product_attention(*qkv),
+                             rtol=1e-5, atol=1e-6)
+  for fast, stock in zip(jax.grad(loss(cpu.dot_product_attention), argnums=(0, 1, 2))(*qkv),
+                         jax.grad(loss(jax.nn.dot_product_attention), argnums=(0, 1, 2))(*qkv)):
+    np.testing.assert_allclose(fast, stock, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('dtype,options', [
+    (jnp.float32, {'is_causal': True}), (jnp.float32, {'scale': 0.5}), (jnp.bfloat16, {})])
+def test_attention_computes_every_other_case_as_the_stock_function(dtype, options):
+  *qkv, _ = _attention_inputs(dtype)
+  np.testing.assert_array_equal(cpu.dot_product_attention(*qkv, **options),
+                                jax.nn.dot_product_attention(*qkv, **options))
+  mask = jnp.tril(jnp.ones((17, 17), bool))
+  np.testing.assert_array_equal(cpu.dot_product_attention(*qkv, mask=mask),
+                                jax.nn.dot_product_attention(*qkv, mask=mask))
