@@ -13,7 +13,8 @@ drawn by another seed of the same generator. Every run is
 `main.py --config=configs/finetune.py` with `train_split=train`, `eval_split=test`, the
 evaluators loss and accuracy, and one preprocessing for all arms (`--size`: a random resized
 crop of 35-100% of the decoded photo's area, so that a digit stays legible, flipped,
-ImageNet-normalised; eval the shorter side to size/0.875 and the centre crop):
+ImageNet-normalised or, with `--standardize`, standardised per image; eval the shorter side to
+size/0.875 and the centre crop):
   pretrain   the model from scratch on the source task (`--pretrain_epochs`); with
              `--pretrain_with=timm`, timm's model in PyTorch with the same recipe and
              preprocessing (`pretrain_in_timm`), its state_dict saved as safetensors;
@@ -43,6 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tes
 import image_folders  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from benchmarks import timm_training
+from configs import finetune
 from training import optimizers
 
 FLAGS = flags.FLAGS
@@ -130,27 +132,34 @@ def torch_transforms():
 
 
 def pretrain_in_timm(root: str, weights: str) -> dict:
-  """Pretrains timm's model from scratch on root/train with configs/finetune.py's recipe
-  (AdamW, weight decay 0.05, one warm-up epoch, cosine, label smoothing 0.1, drop-path 0.05,
-  batches of 32; no EMA), saves its state_dict to `weights`, scores root/test."""
+  """Pretrains timm's model from scratch on root/train with configs/finetune.py's recipe, read
+  from it (AdamW and its weight decay, the warm-up and cosine schedule, label smoothing,
+  drop-path, the batch size; not the EMA), saves its state_dict to `weights`, scores
+  root/test."""
   import safetensors.torch  # pylint: disable=g-import-not-at-top  (optional extras)
   import timm  # pylint: disable=g-import-not-at-top
   import torch  # pylint: disable=g-import-not-at-top
+  recipe = finetune.get_config()
   started = time.time()
   torch.manual_seed(0)
   classes = os.listdir(os.path.join(root, 'train'))
+  model_options = recipe.model_options.get(FLAGS.model, {})
   model = timm.create_model(FLAGS.model, pretrained=False, num_classes=len(classes),
-                            drop_path_rate=0.05)
+                            drop_path_rate=model_options.get('drop_path_rate', 0.0))
   training, evaluation = torch_transforms()
-  steps_per_epoch = len(timm_training.image_folder(os.path.join(root, 'train'), None)) // 32
-  # The app's own schedule: one warm-up epoch from 0, then a cosine down to 0.
+  steps_per_epoch = (len(timm_training.image_folder(os.path.join(root, 'train'), None))
+                     // recipe.batch_size)
+  # The app's own schedule: the warm-up from 0, then the cosine down to 0.
   schedule = optimizers.Optimization(
-      optimizer=None, schedule=optimizers.cosine,
-      learning_rate=FLAGS.pretrain_learning_rate or 3e-4, warmup_epochs=1,
+      optimizer=None, schedule=optimizers.SCHEDULES.entry(recipe.schedule).factory,
+      learning_rate=FLAGS.pretrain_learning_rate or recipe.learning_rate,
+      warmup_epochs=recipe.warmup_epochs,
       num_epochs=FLAGS.pretrain_epochs).learning_rate_schedule(steps_per_epoch)
-  timm_training.train(model, os.path.join(root, 'train'), training,
-                      epochs=FLAGS.pretrain_epochs, learning_rate=schedule, label_smoothing=0.1,
-                      num_workers=0)
+  timm_training.train(
+      model, os.path.join(root, 'train'), training, epochs=FLAGS.pretrain_epochs,
+      learning_rate=schedule, weight_decay=recipe.optimizer_options.adamw.weight_decay,
+      label_smoothing=recipe.loss_options.cross_entropy.label_smoothing,
+      batch_size=recipe.batch_size, num_workers=0)
   safetensors.torch.save_file(model.state_dict(), weights)
   score, _ = timm_training.accuracy(model, os.path.join(root, 'test'), evaluation)
   figures = {'arm': 'pretrain', 'accuracy': score, 'steps': FLAGS.pretrain_epochs *
