@@ -142,13 +142,13 @@ def pretrain_in_timm(root: str, weights: str) -> dict:
   recipe = finetune.get_config()
   started = time.time()
   torch.manual_seed(0)
-  classes = os.listdir(os.path.join(root, 'train'))
+  train_images = timm_training.image_folder(os.path.join(root, 'train'), None)
   model_options = recipe.model_options.get(FLAGS.model, {})
-  model = timm.create_model(FLAGS.model, pretrained=False, num_classes=len(classes),
+  model = timm.create_model(FLAGS.model, pretrained=False,
+                            num_classes=len(train_images.classes),
                             drop_path_rate=model_options.get('drop_path_rate', 0.0))
   training, evaluation = torch_transforms()
-  steps_per_epoch = (len(timm_training.image_folder(os.path.join(root, 'train'), None))
-                     // recipe.batch_size)
+  steps_per_epoch = len(train_images) // recipe.batch_size
   # The app's own schedule: the warm-up from 0, then the cosine down to 0.
   schedule = optimizers.Optimization(
       optimizer=None, schedule=optimizers.SCHEDULES.entry(recipe.schedule).factory,
