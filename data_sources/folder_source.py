@@ -17,7 +17,8 @@ readable images, truncated ones included, are skipped with one warning naming th
 failing the decoder mid-epoch. What the headers say is kept in an index
 (`indexed_headers`), so a folder opened again reads only the headers of the files that changed.
 Within a split, files are ordered by a hash of their path: stable across runs and machines, and
-mixed across classes, so that a slice such as 'train[:90%]' holds every class (TFDS orders its examples the same way).
+mixed across classes, so that a slice such as 'train[:90%]' holds every class (TFDS orders its
+examples the same way).
 
 Hand-written rather than `tfds.folder_dataset.ImageFolder`, which reads only .jpg/.jpeg/.png
 files, fails on the first unreadable file, shuffles without a seed, ignores EXIF orientation

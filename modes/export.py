@@ -93,7 +93,8 @@ def load_classifier(run: run_spec.Run, workdir: str, checkpoint: str = 'latest')
   with_paths, treedef = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(weights))
   return Classifier(
       info=info, step=step, preprocess=run.input.preprocess,
-      temperature=calibration.saved_temperature(workdir, run.temperature_scaling), graphdef=graphdef, treedef=treedef,
+      temperature=calibration.saved_temperature(workdir, run.temperature_scaling),
+      graphdef=graphdef, treedef=treedef,
       weights=[np.asarray(value) for _, value in with_paths],
       names=[jax.tree_util.keystr(path, simple=True, separator='/') for path, _ in with_paths],
       rest=rest)

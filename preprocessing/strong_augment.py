@@ -171,7 +171,8 @@ def _resized_crops(images: tf.Tensor, tops: tf.Tensor, lefts: tf.Tensor, heights
 def inception_crop(size: int, scale: tuple[float, float] = (0.08, 1.0),
                    ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> preprocessing.RandomOp:
   preprocessing.check_int('size', size, 1)
-  return functools.partial(_inception_crop, size=size, scale=preprocessing.check_interval('scale', scale, 1.0),
+  return functools.partial(_inception_crop, size=size,
+                           scale=preprocessing.check_interval('scale', scale, 1.0),
                            ratio=preprocessing.check_interval('ratio', ratio))
 
 
@@ -252,7 +253,8 @@ def random_erasing(p: float = 0.25, scale: tuple[float, float] = (0.02, 1 / 3),
                             or not 0 <= value <= 1):
     raise ValueError(f"value={value!r} must be a number in [0, 1] or 'random'")
   return functools.partial(_random_erasing, p=preprocessing.check_number('p', p, 0, 1),
-                           scale=preprocessing.check_interval('scale', scale, 1.0), ratio=preprocessing.check_interval('ratio', ratio),
+                           scale=preprocessing.check_interval('scale', scale, 1.0),
+                           ratio=preprocessing.check_interval('ratio', ratio),
                            value=value)
 
 
