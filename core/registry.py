@@ -9,7 +9,7 @@ joins it with a decorator on its class or factory function:
       def __init__(self, image_shape, num_classes, *, layers, rngs, dropout_rate=0.025): ...
 
 The config names the plug-in (`config.model = 'cnn'`) and holds its options in its own section
-(`config.model_options.cnn.dropout_rate`), which the run's resolve step (`training/spec.py`)
+(`config.model_options.cnn.dropout_rate`), which the run's resolve step (`training/run_spec.py`)
 gives to `bind`: the plug-in sees only its options, as keyword arguments. The signature is the
 schema: an option the plug-in does not take is refused before anything runs, and the plug-in
 checks its values itself (a `ValueError` it raises becomes a `ConfigError` naming the option).

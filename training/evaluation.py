@@ -1,6 +1,6 @@
 """The evaluations of a run: each scores one split with its evaluators, at its own cadence.
 
-A run lists its evaluations (`training/spec.py` resolves them from the config): the eval split
+A run lists its evaluations (`training/run_spec.py` resolves them from the config): the eval split
 after every epoch ('eval', by which the best checkpoint is picked), the test split once at the
 end with the best checkpoint ('test'), and any others of `config.evaluations`, each with its
 own split, evaluators, preprocessing and cadence. `--mode=eval` runs one of them.

@@ -9,7 +9,7 @@ factory that takes the peak learning rate, the number of optimizer updates it sp
 options (`config.schedule_options.<name>`). Any schedule can start with a linear warm-up of
 `config.warmup_epochs`.
 
-Around the optimizer (`Optimization`, resolved from the config by `training/spec.py`):
+Around the optimizer (`Optimization`, resolved from the config by `training/run_spec.py`):
 gradient clipping (`grad_clip_norm`), frozen parameters and learning-rate multipliers by
 parameter path (`freeze`, `lr_multipliers`, and layer-wise decay `layer_decay` for models that
 declare their `models.LayerGroups`, through `optax.multi_transform`), skipping non-finite updates
