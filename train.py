@@ -68,7 +68,7 @@ def train_and_evaluate(run: run_spec.Run, workdir: str) -> dict[str, float]:
     run.check_against_data(data.info, jax.device_count())
     logging.info('Dataset: %s', data.info)
     workdirs.save_info(workdir, data.info)
-    provenance.record_start(workdir, run.settings, data.info)
+    provenance.record_start(workdir, run, data.info)
     session = Session(run, workdir, data, mesh, checkpoints,
                       loggers.create_writer(run.loggers, workdir), _eval_batch_size(run, mesh))
     stack.callback(session.writer.close)

@@ -52,7 +52,7 @@ def evaluate_checkpoint(run: run_spec.Run, workdir: str,
   configured = run.evaluation('eval')
   scored = evaluation.Evaluation(
       configured.name, configured.split,
-      evaluators.with_report(evaluators.create(run.settings['evaluators'])), configured.preprocess)
+      evaluators.with_report(list(configured.evaluators)), configured.preprocess)
   data = input_pipeline.open_data(run.input, {'eval': run.eval_splits()['eval']})
   num_examples = data.eval_sizes[scored.name]
   applied = ''.join((f', temperature {temperature:.4f}' if temperature != 1.0 else '',

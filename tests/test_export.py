@@ -90,7 +90,7 @@ def workdir(tmp_path_factory):
   image_folders.make_shapes_folder(root, {'train': 4, 'test': 2}, corrupt=False)
   directory = str(tmp_path_factory.mktemp('workdir'))
   run = _make_workdir(directory, _config(root))
-  provenance.record_start(directory, run.settings, modes.dataset_info(run, directory))
+  provenance.record_start(directory, run, modes.dataset_info(run, directory))
   rng = np.random.default_rng(0)
   files = {}
   for height, width in ((SIZE, SIZE), (2 * SIZE, 2 * SIZE), (20, 30)):

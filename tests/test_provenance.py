@@ -17,10 +17,10 @@ from training import run_spec
 CLASSES = ('centre', 'left half', 'top')
 
 
-def _settings(root: str) -> dict:
+def _run(root: str) -> run_spec.Run:
   config = default.get_config()
   config.update(dict(data_source='folder', dataset=root, eval_split='test'))
-  return run_spec.resolve(config).settings
+  return run_spec.resolve(config)
 
 
 def _info(num_train: int) -> base.DatasetInfo:
@@ -37,7 +37,7 @@ def fixture_root(tmp_path) -> str:
 
 
 def test_a_record_names_versions_git_and_data(root, tmp_path):
-  record = provenance.record_start(str(tmp_path), _settings(root), _info(9))
+  record = provenance.record_start(str(tmp_path), _run(root), _info(9))
   assert provenance.records(str(tmp_path)) == [record]
   assert set(record['packages']) == set(provenance.PACKAGES)
   assert all(record['packages'].values())
@@ -48,11 +48,11 @@ def test_a_record_names_versions_git_and_data(root, tmp_path):
   # The hash of the file list: the same for a moved copy, another with a file more.
   moved = str(tmp_path / 'moved')
   shutil.copytree(root, moved)
-  assert provenance.data_fingerprint(_settings(moved), _info(9))['files_sha256'] == (
+  assert provenance.data_fingerprint(_run(moved), _info(9))['files_sha256'] == (
       data['files_sha256'])
   top = os.path.join(moved, 'test', 'top')
   shutil.copy(os.path.join(top, sorted(os.listdir(top))[0]), os.path.join(top, 'extra.png'))
-  assert provenance.data_fingerprint(_settings(moved), _info(9))['files_sha256'] != (
+  assert provenance.data_fingerprint(_run(moved), _info(9))['files_sha256'] != (
       data['files_sha256'])
 
 
@@ -60,12 +60,12 @@ def test_other_data_on_resume_is_one_warning_and_the_first_record_stays(root, tm
                                                                           caplog):
   workdir = str(tmp_path / 'workdir')
   os.makedirs(workdir)
-  first = provenance.record_start(workdir, _settings(root), _info(9))
+  first = provenance.record_start(workdir, _run(root), _info(9))
   with caplog.at_level(logging.WARNING):
-    provenance.record_start(workdir, _settings(root), _info(9))
+    provenance.record_start(workdir, _run(root), _info(9))
   assert not [record for record in caplog.records if record.levelno >= logging.WARNING]
   with caplog.at_level(logging.WARNING):
-    provenance.record_start(workdir, _settings(root), _info(8))
+    provenance.record_start(workdir, _run(root), _info(8))
   warning, = [record for record in caplog.records if record.levelno >= logging.WARNING]
   assert 'splits: {"test": 6, "train": 9} -> {"test": 6, "train": 8}' in warning.getMessage()
   records = provenance.records(workdir)
@@ -100,6 +100,6 @@ def test_training_records_its_provenance(root, tmp_path):
   train.train_and_evaluate(run_spec.resolve(config), workdir)
   record, = provenance.records(workdir)
   assert record['data']['files_sha256'] == provenance.data_fingerprint(
-      run_spec.resolve(config).settings, _info(9))['files_sha256']
+      run_spec.resolve(config), _info(9))['files_sha256']
   # The code's checkout (its commit may move on while the test runs, as others commit).
   assert len(record['git']['commit']) == 40 and isinstance(record['git']['dirty'], bool)

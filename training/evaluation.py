@@ -49,6 +49,7 @@ class Evaluation:
   def __init__(self, name: str, split: str, evaluators: list[evaluators_lib.Evaluator],
                preprocess: preprocessing.Preprocessing, every: str | int = EVERY_EPOCH):
     self.name, self.split, self.preprocess, self.every = name, split, preprocess, every
+    self.evaluators = tuple(evaluators)  # As configured; the count of examples is added below.
     self._evaluators = [evaluators_lib.Count(), *evaluators]
     self._eval_step = state_lib.make_eval_step(self._evaluators, preprocess)
 

@@ -21,7 +21,8 @@ from absl import logging
 import jax
 
 from data_sources import base
-from data_sources import folder_source
+from data_sources import image_files
+from training import run_spec
 from training import workdirs
 
 PROVENANCE_FILE = 'provenance.json'  # {"records": [record, ...]}, oldest first.
@@ -56,20 +57,21 @@ def git_state(directory: str = CODE_DIR) -> dict | None:
   return {'commit': commit, 'dirty': bool(status.strip())}
 
 
-def data_fingerprint(settings: dict, info: base.DatasetInfo) -> dict:
-  """What identifies the training data: the config's source and splits with their sizes as
-  the data reported them, the class names and image shape; for local files, a hash of them."""
+def data_fingerprint(run: run_spec.Run, info: base.DatasetInfo) -> dict:
+  """What identifies the training data: the run's source and splits with their sizes as the
+  data reported them, the class names and image shape; for local files, a hash of them."""
+  splits = {evaluation.name: evaluation.split for evaluation in run.evaluations}
   fingerprint = {
-      'source': settings['data_source'], 'dataset': settings['dataset'],
-      'splits': {settings['train_split']: info.num_train_examples,
-                 settings['eval_split']: info.num_eval_examples},
+      'source': run.data_source, 'dataset': run.dataset,
+      'splits': {run.input.train_split: info.num_train_examples,
+                 splits['eval']: info.num_eval_examples},
       'class_names': list(info.class_names), 'image_shape': list(info.image_shape)}
-  if settings.get('test_split'):
-    fingerprint['splits'][settings['test_split']] = info.num_test_examples
-  if settings['data_source'] == 'folder':
-    fingerprint['files_sha256'] = _files_digest(settings['dataset'])
-  elif settings['data_source'] == 'csv':
-    fingerprint['csv_sha256'] = _file_digest(settings['dataset'])
+  if 'test' in splits:
+    fingerprint['splits'][splits['test']] = info.num_test_examples
+  if run.data_source == 'folder':
+    fingerprint['files_sha256'] = _files_digest(run.dataset)
+  elif run.data_source == 'csv':
+    fingerprint['csv_sha256'] = _file_digest(run.dataset)
   return fingerprint
 
 
@@ -77,7 +79,7 @@ def _files_digest(root: str) -> str:
   """SHA-256 of every file's path under `root` (relative, so a moved folder keeps it) and
   byte size: a cheap listing, no image is read."""
   digest = hashlib.sha256()
-  for path in folder_source.find_files(root):
+  for path in image_files.find_files(root):
     digest.update(f'{os.path.relpath(path, root)}\0{os.path.getsize(path)}\n'.encode())
   return digest.hexdigest()
 
@@ -99,11 +101,11 @@ def records(workdir: str) -> list[dict]:
     return json.load(file)['records']
 
 
-def record_start(workdir: str, settings: dict, info: base.DatasetInfo) -> dict:
+def record_start(workdir: str, run: run_spec.Run, info: base.DatasetInfo) -> dict:
   """Adds this start's record to `workdir`'s provenance (process 0 writes it) and returns it;
   warns in one line when the data's fingerprint differs from the previous record's."""
   record = {'started': datetime.datetime.now().isoformat(timespec='seconds'),
-            **environment(), 'data': data_fingerprint(settings, info)}
+            **environment(), 'data': data_fingerprint(run, info)}
   earlier = records(workdir)
   if earlier and (changed := _changes(earlier[-1]['data'], record['data'])):
     logging.warning('The data differs from what %s was trained on before (%s): %s.',

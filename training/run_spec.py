@@ -68,7 +68,11 @@ class BestMetric:
 @dataclasses.dataclass(frozen=True)
 class Run:
   """Everything a run needs, typed and checked; built by `resolve`."""
-  settings: dict  # The config as JSON values: saved in the workdir, shown as HParams.
+  # The config as JSON values, only as a record: saved in the workdir (compared on resume),
+  # shown as HParams. Nothing reads it for behaviour: every value is a typed field below.
+  settings: dict
+  data_source: str  # The registered name, and the dataset it reads: the data's provenance.
+  dataset: str
   input: input_pipeline.Input
   model: models.ModelSpec
   loss: Callable[..., losses.Loss]  # (num_classes, class_counts) -> loss.
@@ -155,6 +159,7 @@ def resolve(config: ml_collections.ConfigDict) -> Run:
   evaluations = _evaluations(config, preprocess)
   return Run(
       settings=json.loads(config.to_json_best_effort()),
+      data_source=config.data_source, dataset=config.dataset,
       input=_input(config, preprocess),
       model=_model(config),
       loss=losses.LOSSES.bind(config.loss, _options(config, 'loss')),
@@ -312,13 +317,16 @@ def _optimization(config: ml_collections.ConfigDict) -> optimizers.Optimization:
 
 
 @dataclasses.dataclass(frozen=True)
-class _EvaluationKeys:
-  """Where an evaluation's values are in the config: its split, evaluators and (for its own)
-  preprocessing, as (config key, value) pairs; the test split's are checked even when unset."""
+class _EvaluationConfig:
+  """One evaluation as the config describes it, with the config key of each value (for the
+  errors that name it); the test split's is checked even when unset."""
   name: str
-  split: tuple[str, str | None]
-  evaluators: tuple[str, str]
-  preprocess: tuple[str, str | None] = ('preprocess', None)  # None: the run's.
+  split: str | None
+  split_key: str
+  evaluators: str
+  evaluators_key: str
+  preprocess: str | None = None  # None: the run's.
+  preprocess_key: str = 'preprocess'
   every: str | int = evaluation.EVERY_EPOCH
 
 
@@ -326,25 +334,26 @@ def _evaluations(config: ml_collections.ConfigDict,
                  preprocess: preprocessing.Preprocessing) -> tuple[evaluation.Evaluation, ...]:
   """The run's evaluations: 'eval', 'test' (with a test split) and `config.evaluations`."""
   test_key = 'test_evaluators' if config.test_evaluators else 'evaluators'
-  described = [_EvaluationKeys('eval', ('eval_split', config.eval_split),
-                               ('evaluators', config.evaluators)),
-               _EvaluationKeys('test', ('test_split', config.test_split),
-                               (test_key, config[test_key]), every=evaluation.AT_END)]
-  described += [_extra_evaluation(config, name, section)
-                for name, section in config.get('evaluations', {}).items()]
+  configured = [_EvaluationConfig('eval', config.eval_split, 'eval_split', config.evaluators,
+                                  'evaluators'),
+                _EvaluationConfig('test', config.test_split, 'test_split', config[test_key],
+                                  test_key, every=evaluation.AT_END)]
+  configured += [_extra_evaluation(config, name, section)
+                 for name, section in config.get('evaluations', {}).items()]
   evaluations = []
-  for keys in described:
-    built = evaluators.create(keys.evaluators[1], keys.evaluators[0])
-    own_key, own = keys.preprocess
-    if keys.split[1]:
+  for described in configured:
+    built = evaluators.create(described.evaluators, described.evaluators_key)
+    own = described.preprocess
+    if described.split:
       evaluations.append(evaluation.Evaluation(
-          keys.name, keys.split[1], built,
-          preprocess if own is None else preprocessing.parse(own, own_key), every=keys.every))
+          described.name, described.split, built,
+          preprocess if own is None else preprocessing.parse(own, described.preprocess_key),
+          every=described.every))
   return tuple(evaluations)
 
 
 def _extra_evaluation(config: ml_collections.ConfigDict, name: str,
-                      section: ml_collections.ConfigDict) -> _EvaluationKeys:
+                      section: ml_collections.ConfigDict) -> _EvaluationConfig:
   """config.evaluations.`name` checked: its split, evaluators (default config.evaluators),
   preprocessing (default the run's) and cadence (default every epoch)."""
   key = f'evaluations.{name}'
@@ -365,10 +374,9 @@ def _extra_evaluation(config: ml_collections.ConfigDict, name: str,
            f'{key}.every', every,
            f"config.{key}.every={every!r} is invalid: it must be 'epoch', 'end' or a number of "
            'steps >= 1.')
-  return _EvaluationKeys(
-      name, (f'{key}.split', split),
-      (f'{key}.evaluators', section.get('evaluators') or config.evaluators),
-      (f'{key}.preprocess', section.get('preprocess')), every)
+  return _EvaluationConfig(
+      name, split, f'{key}.split', section.get('evaluators') or config.evaluators,
+      f'{key}.evaluators', section.get('preprocess'), f'{key}.preprocess', every)
 
 
 def _checked_init_from(path: str | None) -> str | None:
