@@ -6,7 +6,7 @@ another (other classes), against the same recipe from scratch at equal steps.
         [--pretrain_with=app|timm] [--pretrain_epochs=3] [--pretrain_learning_rate=0.001]
         [--epochs=3] [--out=docs/fine_tuning_runs.json]
 
-Folders (`tests/image_folders.make_kind_folder`, 180-320 px, PNG/JPEG/BMP/GIF, a fifth
+Folders (`data_sources.generated.make_kind_folder`, 180-320 px, PNG/JPEG/BMP/GIF, a fifth
 grayscale, no damaged files): the source task, digits in random colours (10 classes), and the
 target task, shapes in random colours (4 classes), each with a test split of `--test_images`
 drawn by another seed of the same generator. Every run is
@@ -40,11 +40,9 @@ import time
 from absl import app
 from absl import flags
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tests'))
-import image_folders  # pylint: disable=g-import-not-at-top,wrong-import-position
-
 from benchmarks import timm_training
 from configs import finetune
+from data_sources import generated
 from training import optimizers
 
 FLAGS = flags.FLAGS
@@ -52,7 +50,7 @@ flags.DEFINE_string('work', None, 'Where the folders and the runs go.')
 flags.DEFINE_string('model', 'resnet18', 'A registered backbone that declares its layers.')
 flags.DEFINE_integer('size', 64, 'The model input, cut from the 180-320 px photos (timm: 224; '
                      'the default fits the CPU time of a shared 2-core machine).')
-flags.DEFINE_string('source', 'digits', 'The pretraining task (a kind of image_folders.KINDS).')
+flags.DEFINE_string('source', 'digits', 'The pretraining task (a kind of generated.KINDS).')
 flags.DEFINE_string('target', 'shapes', 'The target task (another kind).')
 flags.DEFINE_integer('source_images', 400, 'Training images of the source task.')
 flags.DEFINE_integer('target_images', 240, 'Training images of the target task.')
@@ -90,13 +88,10 @@ def make_task(root: str, kind: str, seed: int, train_images: int, test_images: i
   """root/train and root/test of generated photos; the test images from another seed."""
   if os.path.isdir(root):
     return
-  image_folders.make_kind_folder(root, kind, seed=seed, num_images=train_images,
-                                 image_sizes=PHOTO_SIZES, messy=False)
-  scratch = root + '.test'
-  image_folders.make_kind_folder(scratch, kind, seed=seed + 100, num_images=test_images,
-                                 image_sizes=PHOTO_SIZES, messy=False)
-  os.rename(os.path.join(scratch, 'train'), os.path.join(root, 'test'))
-  os.rmdir(scratch)
+  generated.make_kind_folder(root, kind, seed=seed, num_images=train_images,
+                             image_sizes=PHOTO_SIZES, messy=False)
+  generated.make_kind_folder(root, kind, seed=seed + 100, num_images=test_images,
+                             image_sizes=PHOTO_SIZES, messy=False, split='test')
 
 
 def command(root: str, workdir: str, epochs: int, extra: list[str]) -> list[str]:

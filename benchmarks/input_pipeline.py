@@ -17,7 +17,7 @@ one process, so that a drifting machine load hits all alike. Images/s count the 
 
 With config.preprocess left empty, the app runs --preprocess, the equivalent of the PyTorch
 transforms. --make_folder=N first writes N generated JPEGs of 180-320 px in 10 classes to
-ROOT/train (tests/image_folders.py's digits) when ROOT does not exist.
+ROOT/train (data_sources/generated.py's digits) when ROOT does not exist.
 
 Printed: the CPU (model, AVX2/AVX-512/AMX), the usable cores, the load average before and
 after, one line per epoch, and a summary whose last line ends with `<N> images/s` (the app's
@@ -26,7 +26,6 @@ last epoch).
 
 import os
 import subprocess
-import sys
 import time
 
 from absl import app
@@ -34,9 +33,7 @@ from absl import flags
 from ml_collections import config_flags
 import numpy as np
 
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tests'))
-import image_folders  # pylint: disable=g-import-not-at-top,wrong-import-position
+from data_sources import generated
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', 'configs/finetune.py', 'The training config.')
@@ -170,8 +167,8 @@ def main(argv):
     config.preprocess = FLAGS.preprocess
   root = config.dataset
   if FLAGS.make_folder and not os.path.exists(root):
-    image_folders.make_kind_folder(root, 'digits', num_images=FLAGS.make_folder,
-                                   image_sizes=IMAGE_SIZES, messy=False, formats=('JPEG',))
+    generated.make_kind_folder(root, 'digits', num_images=FLAGS.make_folder,
+                               image_sizes=IMAGE_SIZES, messy=False, formats=('JPEG',))
   print(cpu_line())
   print(f'load average at the start: {" ".join(f"{v:.2f}" for v in os.getloadavg())}')
   print(f'this app: config.preprocess={config.preprocess!r}, batch {config.batch_size}, '

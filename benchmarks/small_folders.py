@@ -4,7 +4,7 @@
         [--seeds=0,1,2] [--out=docs/small_folders_runs] [--override=--config.model=cnn ...]
 
 For each kind and seed, writes a folder of 1,000 images of 40-80 px with messy files
-(`tests/image_folders.make_kind_folder`) to `<work>/<kind><seed>/`, trains
+(`data_sources.generated.make_kind_folder`) to `<work>/<kind><seed>/`, trains
 `main.py --config=configs/images.py` on it in `<work>/runs/<label>_<kind><seed>/` with
 `--config.seed=<seed>` and the overrides, and reads its metrics.jsonl: the held-out accuracy
 (`eval/accuracy`, the last 10% of `train`) and the training accuracy (`train/accuracy_epoch`,
@@ -26,12 +26,11 @@ import time
 from absl import app
 from absl import flags
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tests'))
-import image_folders  # pylint: disable=g-import-not-at-top,wrong-import-position
+from data_sources import generated
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('work', None, 'Where the folders and the runs go.')
-flags.DEFINE_list('kinds', list(image_folders.KINDS), 'Kinds of folders to generate.')
+flags.DEFINE_list('kinds', list(generated.KINDS), 'Kinds of folders to generate.')
 flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds: of the generator and of the run.')
 flags.DEFINE_string('config', 'configs/images.py', 'The recipe.')
 flags.DEFINE_multi_string('override', [], 'Extra main.py flags, e.g. --config.model=cnn.')
@@ -70,7 +69,7 @@ def _cpu_model() -> str:
 def _run(kind: str, seed: int) -> dict:
   root = os.path.join(FLAGS.work, f'{kind}{seed}')
   if not os.path.isdir(root):
-    image_folders.make_kind_folder(root, kind, seed=seed)
+    generated.make_kind_folder(root, kind, seed=seed)
   workdir = os.path.join(FLAGS.work, 'runs', f'{FLAGS.label}_{kind}{seed}')
   command = ['python', 'main.py', f'--config={FLAGS.config}', f'--workdir={workdir}',
              f'--config.dataset={root}', f'--config.seed={seed}', *FLAGS.override]

@@ -5,10 +5,10 @@ generated photo folder, saved as safetensors, evaluated by timm (its own eval tr
     python -m benchmarks.timm_parity --work=/tmp/parity [--model=resnet18] [--epochs=2]
         [--out=docs/timm_parity.json]
 
-The folder: `tests/image_folders.make_shapes_folder` (3 classes: where the bright region of a
-noisy image is; random colours) of 180-320 px, in PNG/JPEG/BMP/GIF, a third of them grayscale,
-no damaged files (timm's ImageFolder would stop at one); `--train_images` and `--test_images`
-per class. torchvision's ImageFolder is told to read the GIFs too, so both score every file.
+The folder: `data_sources.generated`'s shapes (4 classes: circle, cross, square, triangle in
+random colours, sizes and places) of 180-320 px, in PNG/JPEG/BMP/GIF, a fifth of them
+grayscale, no damaged files (timm's ImageFolder would stop at one); `--train_images` and
+`--test_images` per class, the test images drawn by another seed. torchvision's ImageFolder is told to read the GIFs too, so both score every file.
 timm trains with its own train transform (`create_transform(..., is_training=True)`), AdamW at
 1e-3 (weight decay 0.05 on weights, not biases and norms), batches of 32 (`timm_training`);
 the weights go to `<work>/<model>.safetensors` (`safetensors.torch.save_file(model.state_dict(),
@@ -27,10 +27,8 @@ import sys
 from absl import app
 from absl import flags
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tests'))
-import image_folders  # pylint: disable=g-import-not-at-top,wrong-import-position
-
 from benchmarks import timm_training
+from data_sources import generated
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('work', None, 'Where the folder, the weights and the app run go.')
@@ -44,9 +42,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_folder(root: str) -> None:
-  """root/train and root/test: images of 180-320 px."""
-  image_folders.make_shapes_folder(root, {'train': FLAGS.train_images, 'test': FLAGS.test_images},
-                                   image_sizes=(180, 320), corrupt=False)
+  """root/train and root/test: generated shapes of 180-320 px."""
+  classes = len(generated.KINDS['shapes'][0])
+  for split, per_class, seed in (('train', FLAGS.train_images, 0), ('test', FLAGS.test_images, 1)):
+    generated.make_kind_folder(root, 'shapes', seed=seed, num_images=per_class * classes,
+                               image_sizes=(180, 320), messy=False, split=split)
 
 
 def train_and_save(root: str, weights: str):

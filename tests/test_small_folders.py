@@ -1,4 +1,4 @@
-"""The generated folders of benchmarks/small_folders.py: what the folder source reads of them."""
+"""The generated photo folders (data_sources/generated.py): what the folder source reads of them."""
 
 import logging
 
@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 
 from data_sources import folder_source
-import image_folders
+from data_sources import generated
 
 
-@pytest.mark.parametrize('kind', list(image_folders.KINDS))
+@pytest.mark.parametrize('kind', list(generated.KINDS))
 def test_a_generated_folder_reads_as_its_classes_with_the_messy_files_skipped(tmp_path, caplog,
                                                                               kind):
   root = str(tmp_path / kind)
-  names = image_folders.KINDS[kind][0]
-  written = image_folders.make_kind_folder(root, kind, num_images=8 * len(names))
+  names = generated.KINDS[kind][0]
+  written = generated.make_kind_folder(root, kind, num_images=8 * len(names))
   with caplog.at_level(logging.WARNING):
     source = folder_source.FolderSource(root)
   assert source.class_names == names
@@ -30,7 +30,7 @@ def test_the_same_seed_writes_the_same_folder_and_another_seed_another(tmp_path)
   read = lambda root: [example['image'] for example in
                        folder_source.FolderSource(root).examples('train').as_numpy_iterator()]
   for name, seed in (('a', 0), ('b', 0), ('c', 1)):
-    image_folders.make_kind_folder(str(tmp_path / name), 'textures', seed=seed, num_images=8,
+    generated.make_kind_folder(str(tmp_path / name), 'textures', seed=seed, num_images=8,
                                    messy=False)
   first, again, other = (read(str(tmp_path / name)) for name in 'abc')
   assert all(np.array_equal(x, y) for x, y in zip(first, again))
@@ -125,7 +125,7 @@ def test_the_recipe_predicts_a_figure_alike_whatever_its_colours(tmp_path):
   import sys  # pylint: disable=g-import-not-at-top
   from PIL import Image  # pylint: disable=g-import-not-at-top
   root, workdir, inputs = (str(tmp_path / name) for name in ('folder', 'run', 'inputs'))
-  image_folders.make_kind_folder(root, 'shapes', num_images=64, messy=False)
+  generated.make_kind_folder(root, 'shapes', num_images=64, messy=False)
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   main = lambda *flags: subprocess.run([sys.executable, 'main.py', *flags], cwd=repo,
                                        capture_output=True, text=True, timeout=900)
