@@ -5,7 +5,7 @@ takes the image shape (height, width, channels), the number of classes, `layers`
 convolution, dense, batch-norm, dropout and pooling layers to build from, see `kernels`),
 `rngs`, and its own options as keyword arguments, which come from
 `config.model_options.<name>`. To add one: write the class here (or in a module of your own that
-your config file imports) with the decorator. See README.md.
+your config file imports) with the decorator. See docs/plugins.md.
 """
 
 from collections.abc import Callable, Iterable, Mapping

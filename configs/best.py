@@ -6,7 +6,7 @@ The default CNN, unchanged, trained longer with the usual tools: shifts of up to
 rotations of up to 10 degrees, label smoothing, a warm-up + cosine schedule and a moving average
 of the weights. Everything is chosen on a validation slice (the last 5,000 training images); the
 10,000 test images are scored once, at the end, with the best checkpoint. Measured figures:
-README.md (Results); how the recipe was chosen: docs/training_options.md.
+docs/results.md; how the recipe was chosen: docs/training_options.md.
 """
 
 import ml_collections
