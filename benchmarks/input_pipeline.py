@@ -13,7 +13,6 @@ drop_last as the app's); with grain installed too, a Grain pipeline (`MapDataset
 names, PIL decoding and torchvision's crop and flip in `mp_prefetch`'s worker processes, uint8
 batches as the app's). One epoch of each peer runs after each of the app's: they alternate in
 one process, so that a drifting machine load hits all alike. Images/s count the images batched.
---tf_data_autotune measures the app with tf.data's autotuning on (training runs it off).
 
 With config.preprocess left empty, the app runs --preprocess, the equivalent of the PyTorch
 transforms. --make_folder=N first writes N generated JPEGs of 180-320 px in 10 classes to
@@ -45,8 +44,6 @@ flags.DEFINE_integer('make_folder', 0, 'Generate this many JPEGs in ROOT/train f
                      'does not exist.', lower_bound=0)
 flags.DEFINE_bool('torch', True, 'Also time PyTorch (needs torch and torchvision).')
 flags.DEFINE_bool('grain', True, 'Also time a Grain pipeline (needs grain and torchvision).')
-flags.DEFINE_bool('tf_data_autotune', False, "tf.data's autotuning of the training batches "
-                  '(input_pipeline.TF_DATA_AUTOTUNE: off in training).')
 
 IMAGE_SIZES = (180, 320)  # Height and width of the generated photos, each.
 ISA = ('avx2', 'avx512', 'amx')  # The prefixes of the lscpu flags printed.
@@ -69,7 +66,6 @@ def app_epochs(config):
   runtime.start()
   import input_pipeline  # pylint: disable=g-import-not-at-top
   from training import run_spec  # pylint: disable=g-import-not-at-top
-  input_pipeline.TF_DATA_AUTOTUNE = FLAGS.tf_data_autotune
   run = run_spec.resolve(config)
   data = input_pipeline.open_data(run.input, {})
   split = input_pipeline.open_split(data, input_pipeline.process_split(
@@ -172,8 +168,7 @@ def main(argv):
   print(cpu_line())
   print(f'load average at the start: {" ".join(f"{v:.2f}" for v in os.getloadavg())}')
   print(f'this app: config.preprocess={config.preprocess!r}, batch {config.batch_size}, '
-        f'in_memory={config.in_memory!r}, decoded_cache={config.decoded_cache!r}, tf.data '
-        f'autotune {"on" if FLAGS.tf_data_autotune else "off"}')
+        f'in_memory={config.in_memory!r}, decoded_cache={config.decoded_cache!r}')
   size, ours = app_epochs(config)
   split = config.train_split.split('[')[0]  # The peers read the split's folder whole.
   peers = {}  # name: its epochs, each timed after one of the app's.
