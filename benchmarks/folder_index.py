@@ -29,6 +29,7 @@ import numpy as np
 from PIL import Image
 
 from data_sources import folder_source
+from data_sources import image_files
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('root', '/tmp/folder_index_100k', 'The image folder (written if absent).')
@@ -93,13 +94,13 @@ def main(argv):
     start = time.perf_counter()
     _generate(FLAGS.root, FLAGS.files, FLAGS.classes)
     print(f'Wrote {FLAGS.files} PNGs under {FLAGS.root} in {time.perf_counter() - start:.1f}s.')
-  index = folder_source.index_path(FLAGS.root)
+  index = image_files.index_path(FLAGS.root)
   if os.path.exists(index):
     os.remove(index)
   runs = {'first open (no index)': _timed_open(FLAGS.root)}
   index_mb = os.path.getsize(index) / 2**20
   runs['second open (index)'] = _timed_open(FLAGS.root)
-  os.utime(folder_source.find_files(os.path.join(FLAGS.root, 'train', 'class_0'))[0])
+  os.utime(image_files.find_files(os.path.join(FLAGS.root, 'train', 'class_0'))[0])
   runs['one file touched'] = _timed_open(FLAGS.root)
   print(f'Index: {index} ({index_mb:.1f} MB).')
   print('| open | files | open (s) | open, CPU (s) | process wall (s) | peak RSS (MB) | '

@@ -11,7 +11,7 @@ Splits take TFDS's split syntax ('train[:90%]+test').
 
 Class names are the distinct labels, sorted, integer labels numerically ('2' before '10', so
 labels 0..N-1 keep their numbers), over all rows: a label means the same class in every split.
-Images are read as the folder source reads them (`folder_source`): headers first, JPEG, PNG, BMP
+Images are read as the folder source reads them (`image_files`): headers first, JPEG, PNG, BMP
 or GIF of any sizes, 1 channel when every image is grayscale, otherwise 3, EXIF orientation
 applied, transparency composited onto white, ordered within a split by a hash of their path,
 streamed or decoded into memory. A row without a file name, label or split, whose file does not
@@ -29,6 +29,7 @@ from absl import logging
 from core import errors
 import data_sources
 from data_sources import folder_source
+from data_sources import image_files
 
 _OPTIONS = 'data_source_options.csv'  # Where the options live in the config, for errors.
 _DEFAULT_SPLIT = 'train'  # The split of every row of a CSV without a split column.
@@ -159,25 +160,25 @@ class CsvSource(folder_source.ImageFilesSource):
     class_names = sorted({_cell(row, label_index) for _, row in rows} - {''}, key=_class_order)
     image_rows, skipped = _image_rows(rows, (file_index, label_index, split_index), folder,
                                        extension)
-    headers, unreadable = folder_source.read_headers([row.path for row in image_rows])
+    headers, unreadable = image_files.read_headers([row.path for row in image_rows])
     unreadable = set(unreadable)
     for row in image_rows:
       if row.path in unreadable:
         skipped[row.line] = (
-            f'{row.name}: not a readable {"/".join(folder_source.FORMATS)} image, or cut short'
+            f'{row.name}: not a readable {"/".join(image_files.FORMATS)} image, or cut short'
             if os.path.isfile(row.path) else f'{row.name}: no such file')
     reasons = [f'line {line} ({skipped[line]})' for line in sorted(skipped)]
     if not headers:
       appended = f', with {extension!r} appended' if extension else ''
       raise errors.DataError(
           f'CSV file {csv_path!r} has no usable row (of {len(rows)}): '
-          f'{folder_source.named(reasons) or "it has none"}. '
+          f'{image_files.named(reasons) or "it has none"}. '
           f'File names are read relative to {folder} (config.{_OPTIONS}.images){appended}.',
           what=csv_path)
     if reasons:
       logging.warning('Skipped %d of %d rows of %s: %s.', len(reasons), len(rows), csv_path,
-                      folder_source.named(reasons))
-    folder_source.warn_transparent(headers)
+                      image_files.named(reasons))
+    image_files.warn_transparent(headers)
 
     label_ids = {name: label for label, name in enumerate(class_names)}
     readable = {header.path for header in headers}

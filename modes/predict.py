@@ -36,7 +36,7 @@ import tensorflow as tf
 
 from core import errors
 from core import progress
-from data_sources import folder_source
+from data_sources import image_files
 import modes
 import preprocessing
 from training import calibration
@@ -53,7 +53,7 @@ def find_inputs(inputs: str) -> list[str]:
   """The files that `inputs` names: itself, the files under a directory, those a CSV file
   lists, or a glob's matches."""
   if os.path.isdir(inputs):
-    return folder_source.find_files(inputs)
+    return image_files.find_files(inputs)
   if os.path.isfile(inputs):
     return listed_files(inputs) if inputs.lower().endswith('.csv') else [inputs]
   return sorted(path for path in glob.glob(inputs, recursive=True) if os.path.isfile(path))
@@ -140,12 +140,12 @@ def predict(run: run_spec.Run, workdir: str, inputs: str | None, checkpoint: str
   model, step = modes.load_model(run, workdir, info, checkpoint)
   temperature = calibration.saved_temperature(workdir, run.temperature_scaling)
   model = calibration.scored(model, temperature, tta)
-  headers, skipped = folder_source.read_headers(find_inputs(inputs))
+  headers, skipped = image_files.read_headers(find_inputs(inputs))
   if not headers:
     found = f' (only {len(skipped)} unreadable files)' if skipped else ''
     raise errors.FlagError(
         f'No image under --inputs={inputs!r}{found}: pass an image file, a directory of '
-        f'{"/".join(folder_source.FORMATS)} images or a glob that matches some.',
+        f'{"/".join(image_files.FORMATS)} images or a glob that matches some.',
         flag='inputs', value=inputs)
   height, width, channels = info.image_shape
   colour = [header.path for header in headers if not header.gray]
@@ -160,7 +160,7 @@ def predict(run: run_spec.Run, workdir: str, inputs: str | None, checkpoint: str
   preprocess = run.input.preprocess
 
   def prepared(path, orientation, alpha) -> dict[str, tf.Tensor]:
-    image = preprocess.resize(folder_source.decode(path, channels, orientation, alpha),
+    image = preprocess.resize(image_files.decode(path, channels, orientation, alpha),
                               (height, width))
     return {'path': path, 'image': tf.ensure_shape(image, info.image_shape)}
 
@@ -180,8 +180,8 @@ def predict(run: run_spec.Run, workdir: str, inputs: str | None, checkpoint: str
     probabilities.append(np.asarray(_probabilities(model, preprocess, batch['image'])))
     shown.update(len(paths))
   decoded = set(paths)
-  folder_source.warn_skipped(skipped + [header.path for header in headers
-                                        if header.path not in decoded])
+  image_files.warn_skipped(skipped + [header.path for header in headers
+                                      if header.path not in decoded])
   probabilities = np.concatenate(probabilities) if probabilities else np.zeros((0, 1))
   # Most probable first; a stable sort keeps argmax's choice among ties as the first class.
   ranked = np.argsort(-probabilities, axis=1, kind='stable')[:, :top_k]

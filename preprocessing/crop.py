@@ -16,7 +16,7 @@
 
 Unlike `inception_crop` (a random op on batches already resized to the model's size), the
 window of `random_resized_crop` sees the original pixels, and a JPEG decoder can decode only the
-window (`data_sources/folder_source.py`).
+window (`data_sources/image_files.py`).
 """
 
 import tensorflow as tf

@@ -15,6 +15,7 @@ from configs import default
 from core import errors
 from data_sources import base
 from data_sources import folder_source
+from data_sources import image_files
 import image_folders
 import input_pipeline
 from training import run_spec
@@ -72,7 +73,7 @@ def test_every_format_decodes_to_its_pixels(shapes_root):
     path = os.path.join(shapes_root, 'test', 'top', path)
     with Image.open(path) as image:
       image_format, expected = image.format, np.asarray(image.convert('RGB')).astype(int)
-    decoded = folder_source.decode(tf.constant(path), 3).numpy().astype(int)
+    decoded = image_files.decode(tf.constant(path), 3).numpy().astype(int)
     assert decoded.shape == expected.shape
     tolerance = _JPEG_TOLERANCE if image_format == 'JPEG' else 0  # Others decode exactly.
     assert np.abs(decoded - expected).max() <= tolerance, (path, image_format)
@@ -86,11 +87,11 @@ def test_grayscale_folders_have_one_channel_and_gray_files_convert_exactly(tmp_p
   for path, _ in files['train']:
     with Image.open(path) as image:
       image_format, expected = image.format, np.asarray(image.convert('L')).astype(int)
-    gray = folder_source.decode(tf.constant(path), 1).numpy()
+    gray = image_files.decode(tf.constant(path), 1).numpy()
     tolerance = _JPEG_TOLERANCE if image_format == 'JPEG' else 0  # Others decode exactly.
     assert np.abs(gray[..., 0] - expected).max() <= tolerance, (path, image_format)
     # In a colour dataset the same file becomes 3 channels equal to that gray.
-    rgb = folder_source.decode(tf.constant(path), 3).numpy()
+    rgb = image_files.decode(tf.constant(path), 3).numpy()
     assert all(np.array_equal(rgb[..., channel], gray[..., 0]) for channel in range(3))
 
 
@@ -235,7 +236,7 @@ def test_messy_files_are_skipped_by_name_or_read_as_displayed(tmp_path, caplog):
     assert any(image.shape == pixels.shape
                and np.abs(image.astype(int) - pixels.astype(int)).max() <= tolerance
                for image in decoded), path
-  header = folder_source.read_header(os.path.join(root, 'train', 'square', 'rotated.jpg'))
+  header = image_files.read_header(os.path.join(root, 'train', 'square', 'rotated.jpg'))
   assert header.size == (16, 8) and header.orientation == 6
 
 
@@ -307,8 +308,8 @@ def test_streamed_eval_batches_read_every_example_once_per_pass(shapes_root):
 
 def _counted_reads(monkeypatch):
   """The paths whose headers are read from now on."""
-  reads, read = [], folder_source.read_header
-  monkeypatch.setattr(folder_source, 'read_header', lambda path: reads.append(path) or read(path))
+  reads, read = [], image_files.read_header
+  monkeypatch.setattr(image_files, 'read_header', lambda path: reads.append(path) or read(path))
   return reads
 
 
@@ -338,14 +339,14 @@ def test_a_folder_opened_again_reads_no_header_and_gives_the_same_splits(tmp_pat
   reads = _counted_reads(monkeypatch)
   first, first_warnings = _opened(root, caplog)
   assert len(reads) == 3 * 5 + 2  # Every visible file, damaged ones included; not .DS_Store.
-  assert os.path.exists(os.path.join(root, folder_source.INDEX_FILE))
+  assert os.path.exists(os.path.join(root, image_files.INDEX_FILE))
   reads.clear()
   second, second_warnings = _opened(root, caplog)
   assert reads == []
   assert _contents(second) == _contents(first)  # Files, labels, order, headers.
   assert second_warnings == first_warnings  # The damaged files are still skipped by name.
   assert 'broken.png' in second_warnings[0] and 'notes.txt' in second_warnings[0]
-  assert folder_source.INDEX_FILE not in folder_source.find_files(root)[0]
+  assert image_files.INDEX_FILE not in image_files.find_files(root)[0]
 
 
 def test_files_added_removed_or_replaced_are_read_again(tmp_path, monkeypatch, caplog):
@@ -383,8 +384,8 @@ def test_a_damaged_index_is_rebuilt_with_one_warning(tmp_path, monkeypatch, capl
   root = str(tmp_path / 'damaged')
   _indexed_folder(root)
   first, first_warnings = _opened(root, caplog)
-  index = os.path.join(root, folder_source.INDEX_FILE)
-  entries = folder_source._load_index(index)  # pylint: disable=protected-access
+  index = os.path.join(root, image_files.INDEX_FILE)
+  entries = image_files._load_index(index)  # pylint: disable=protected-access
   with open(index, 'rb') as file:
     data = file.read()
   with open(index, 'wb') as file:
@@ -394,28 +395,28 @@ def test_a_damaged_index_is_rebuilt_with_one_warning(tmp_path, monkeypatch, capl
   assert len(reads) == 3 * 5 + 2
   assert warnings[1:] == first_warnings and index in warnings[0]
   assert _contents(second) == _contents(first)
-  assert folder_source._load_index(index) == entries  # Rebuilt whole.  # pylint: disable=protected-access
+  assert image_files._load_index(index) == entries  # Rebuilt whole.  # pylint: disable=protected-access
 
 
 def test_a_read_only_folder_keeps_its_index_in_the_cache_dir(tmp_path, monkeypatch, caplog):
   root = str(tmp_path / 'shared')
   _indexed_folder(root)
-  monkeypatch.setattr(folder_source, '_writable', lambda folder: False)
+  monkeypatch.setattr(image_files, '_writable', lambda folder: False)
   monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'cache'))
   _opened(root, caplog)
-  assert not os.path.exists(os.path.join(root, folder_source.INDEX_FILE))
-  assert folder_source.index_path(root).startswith(str(tmp_path / 'cache'))
-  assert os.path.exists(folder_source.index_path(root))
+  assert not os.path.exists(os.path.join(root, image_files.INDEX_FILE))
+  assert image_files.index_path(root).startswith(str(tmp_path / 'cache'))
+  assert os.path.exists(image_files.index_path(root))
   reads = _counted_reads(monkeypatch)
   _opened(root, caplog)
   assert reads == []
 
 
 def test_a_long_header_scan_logs_its_progress(monkeypatch, caplog):
-  monkeypatch.setattr(folder_source, '_PROGRESS_SECONDS', 0.02)
-  monkeypatch.setattr(folder_source, 'read_header', lambda path: time.sleep(0.01))
+  monkeypatch.setattr(image_files, '_PROGRESS_SECONDS', 0.02)
+  monkeypatch.setattr(image_files, 'read_header', lambda path: time.sleep(0.01))
   with caplog.at_level(logging.INFO, logger='absl'):  # absl's level may be set by now.
-    folder_source.read_headers([f'{index}.png' for index in range(200)])
+    image_files.read_headers([f'{index}.png' for index in range(200)])
   lines = [record.getMessage() for record in caplog.records
            if record.getMessage().startswith('Reading image headers:')]
   assert lines and all('/200 files' in line and 'files/s, ETA' in line for line in lines)

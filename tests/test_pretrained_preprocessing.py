@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from configs import default
 from core import errors
-from data_sources import folder_source
+from data_sources import image_files
 import image_folders
 import input_pipeline
 import models
@@ -225,8 +225,8 @@ def test_jpeg_window_is_decoded_alone_as_the_whole_image_gives_it(tmp_path, orie
   exif = Image.Exif()
   exif[0x0112] = orientation
   Image.fromarray(_photo(120, 90)).save(path, quality=90, exif=exif)
-  header = folder_source.read_header(path)
-  whole = folder_source.decode(tf.constant(path), 3, header.orientation).numpy()
+  header = image_files.read_header(path)
+  whole = image_files.decode(tf.constant(path), 3, header.orientation).numpy()
   with Image.open(path) as image:
     shown = np.asarray(ImageOps.exif_transpose(image))
   assert whole.shape == shown.shape == (*header.size, 3)
@@ -235,7 +235,7 @@ def test_jpeg_window_is_decoded_alone_as_the_whole_image_gives_it(tmp_path, orie
   height, width = header.size
   for window in ((0, 0, height, width), (13, 7, 41, 53), (height - 50, width - 40, 50, 40)):
     top, left, rows, columns = window
-    cut = folder_source.decode_window(tf.constant(path), 3, tf.constant(window),
+    cut = image_files.decode_window(tf.constant(path), 3, tf.constant(window),
                                       header.orientation).numpy()
     assert cut.shape == (rows, columns, 3)
     np.testing.assert_array_equal(cut[1:-1, 1:-1],
