@@ -19,13 +19,13 @@ from core import errors
 from sweeps import engine
 from sweeps import runs
 from sweeps import spec
-from test_sweep import accuracy  # pytest puts tests/ on sys.path.
-from test_sweep import FakeLauncher
-from test_sweep import load_study
-from test_sweep import METRIC
-from test_sweep import NUM_EPOCHS
-from test_sweep import run_study
-from test_sweep import settings
+from tests.helpers.sweeps import accuracy
+from tests.helpers.sweeps import FakeLauncher
+from tests.helpers.sweeps import load_study
+from tests.helpers.sweeps import METRIC
+from tests.helpers.sweeps import NUM_EPOCHS
+from tests.helpers.sweeps import run_study
+from tests.helpers.sweeps import settings
 from training import workdirs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
