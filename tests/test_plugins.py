@@ -1,126 +1,34 @@
-"""Each kind of plug-in is added in one place (here) and trained with from config values alone:
-a model, a data source, a preprocessing op, a loss, an evaluator and an optimizer.
-
-Nothing else in the repository names them: their registrations are the whole change.
+"""Each kind of plug-in is added in one file outside the app's tree (tests/helpers/plugins.py)
+and trained with from config values alone: a model, a data source, a preprocessing op, a loss,
+an optimizer, an evaluator and a logger. Nothing in the app names them: their registrations
+are the whole change.
 """
 
-from flax import nnx
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
+import json
+import os
+
 import pytest
 
-from configs import default
 from core import errors
-import data_sources
-from data_sources import base
-import models
-import preprocessing
 import train
-from training import evaluators
-from training import losses
-from training import optimizers
-from training import summaries
 from training import run_spec
-
-
-@models.MODELS.register('tiny_for_test')
-class TinyNet(nnx.Module):
-  """What a user adds: one class, built from the injected layers, with one option."""
-
-  def __init__(self, image_shape, num_classes, *, layers, rngs, width=4):
-    self.conv = layers.conv(image_shape[-1], width, kernel_size=(3, 3), rngs=rngs)
-    self.linear = layers.linear(width, num_classes, rngs=rngs)
-
-  def __call__(self, x):
-    return self.linear(nnx.relu(self.conv(x)).mean(axis=(1, 2)))
-
-
-@data_sources.SOURCES.register('stripes_for_test')
-def stripes(name, data_dir, *, size=8, per_split=64):
-  """Horizontal (label 0) or vertical (label 1) stripes of random phase, in memory."""
-  del data_dir
-  if size < 4:
-    raise ValueError(f'size={size} must be at least 4')
-
-  def load_range(split, part):
-    rng = np.random.default_rng(0 if split == 'train' else 1)
-    labels = rng.integers(0, 2, per_split)
-    phases = rng.integers(0, 2, per_split)
-    rows = (np.arange(size)[:, None] + phases[:, None, None]) % 2  # (n, size, 1)
-    horizontal = np.broadcast_to(rows, (per_split, size, size))
-    images = np.where(labels[:, None, None] == 0, horizontal, horizontal.transpose(0, 2, 1))
-    return base.to_split(np.uint8(images * 255)[part], labels[part])
-
-  return base.RangeSource(name, {'train': per_split, 'test': per_split}, 2, load_range,
-                          class_names=('horizontal', 'vertical'))
-
-
-@preprocessing.OPS.register('invert_for_test', stage='random')
-def invert(probability=0.5):
-  """Inverts each image with `probability`."""
-  def op(images, seed):
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    flip = tf.random.stateless_uniform(tf.shape(images)[:1], seed) < probability
-    return tf.where(flip[:, None, None, None], 1.0 - images, images)
-  return op
-
-
-@losses.LOSSES.register('squared_for_test')
-def squared(num_classes, class_counts, *, scale=1.0):
-  del class_counts  # Not needed.
-  """A Brier score: the squared distance of the softmax from the targets."""
-  def loss(logits, targets):
-    return scale * ((jax.nn.softmax(logits) - losses.soft_targets(targets, num_classes))**2).sum(-1)
-  return loss
-
-
-@evaluators.EVALUATORS.register('mean_confidence_for_test')
-class MeanConfidence(evaluators.Evaluator):
-  """The mean top softmax probability: `mean_confidence`."""
-  name = 'mean_confidence'
-  directions = {'mean_confidence': True}
-
-  def init(self, info):
-    return {'sum': jnp.zeros(()), 'count': jnp.zeros((), jnp.int32)}
-
-  def update(self, state, logits, batch):
-    top = jax.nn.softmax(logits).max(axis=-1)
-    return {'sum': state['sum'] + jnp.where(batch['mask'], top, 0).sum(),
-            'count': state['count'] + batch['mask'].sum(dtype=jnp.int32)}
-
-  def results(self, state, info):
-    return {'mean_confidence': float(state['sum'] / state['count'])}
-
-
-@optimizers.OPTIMIZERS.register('sign_sgd_for_test')
-def sign_sgd(learning_rate, *, momentum=0.0):
-  """SGD on the signs of the gradients."""
-  return optax.chain(optax.scale_by_sign(), optax.sgd(learning_rate, momentum=momentum or None))
-
-
-def _config():
-  config = default.get_config()
-  config.update(data_source='stripes_for_test', dataset='stripes', eval_split='test',
-                model='tiny_for_test', loss='squared_for_test', optimizer='sign_sgd_for_test',
-                preprocess='invert_for_test(0.5)', learning_rate=0.02, batch_size=16,
-                eval_batch_size=32, num_epochs=8, log_every_steps=4,
-                evaluators='loss|accuracy|mean_confidence_for_test',
-                best_metric='eval/mean_confidence')
-  config.data_source_options.stripes_for_test = {'size': 8}
-  config.model_options.tiny_for_test = {'width': 8}
-  config.loss_options.squared_for_test = {'scale': 2.0}
-  config.optimizer_options.sign_sgd_for_test = {'momentum': 0.5}
-  return config
+from training import summaries
+from tests.helpers import plugins
 
 
 def test_one_of_each_kind_trains_from_the_config_alone(tmp_path):
-  metrics = train.train_and_evaluate(run_spec.resolve(_config()), str(tmp_path))
+  metrics = train.train_and_evaluate(run_spec.resolve(plugins.stripes_config()), str(tmp_path))
   assert metrics['eval/accuracy'] >= 0.9, metrics  # Stripes' orientation, from any phase.
   assert 0.5 <= metrics['eval/mean_confidence'] <= 1.0
   written = summaries.read_metrics(str(tmp_path))
   assert sum('eval/mean_confidence' in values for values in written.values()) == 8
+  with open(os.path.join(tmp_path, plugins.LOG_FILE), encoding='utf-8') as file:
+    logged = [json.loads(line) for line in file]
+  # The logger got what metrics.jsonl got: every epoch's evaluation, by step.
+  assert {(line['step'], line['value']) for line in logged
+          if line['name'] == 'eval/mean_confidence'} == {
+              (step, values['eval/mean_confidence']) for step, values in written.items()
+              if 'eval/mean_confidence' in values}
 
 
 @pytest.mark.parametrize('section,options,key', [
@@ -130,10 +38,14 @@ def test_one_of_each_kind_trains_from_the_config_alone(tmp_path):
     ('loss_options', {'squared_for_test': {'margin': 1.0}}, 'loss_options.squared_for_test.margin'),
     ('optimizer_options', {'sign_sgd_for_test': {'nesterov': True}},
      'optimizer_options.sign_sgd_for_test.nesterov'),
+    ('loggers', None, 'loggers'),
 ])
 def test_their_options_are_checked_by_their_signatures(tmp_path, section, options, key):
-  config = _config()
-  config[section].update(options)
+  config = plugins.stripes_config()
+  if section == 'loggers':
+    config.loggers = 'jsonl|scalars_for_test(path="x")'
+  else:
+    config[section].update(options)
   with pytest.raises(errors.ConfigError) as error:
     train.train_and_evaluate(run_spec.resolve(config), str(tmp_path))
   assert error.value.key == key

@@ -31,9 +31,10 @@ MLFLOW_RUN_ID_FILE = 'mlflow_run_id'
 WANDB_RUN_ID_FILE = 'wandb_run_id'
 
 
-class _Writer(metric_writers.MetricWriter):
+class Writer(metric_writers.MetricWriter):
   """A MetricWriter that ignores every kind of summary its subclass does not override (the app
-  writes no videos or audio; a CSV file holds scalars only)."""
+  writes no videos or audio; a CSV file holds scalars only): a logger plug-in subclasses it and
+  overrides what its tracker takes."""
 
   def write_summaries(self, step, values, metadata=None):
     pass
@@ -97,7 +98,7 @@ def _keep_id(path: str, run_id: str) -> None:
   os.replace(path + '.tmp', path)
 
 
-class CsvWriter(_Writer):
+class CsvWriter(Writer):
   """Appends every scalar to a CSV file as a `step,name,value` row (long format).
 
   One row per value, rather than a column per metric, so that a metric first written mid-run
@@ -131,7 +132,7 @@ class CsvWriter(_Writer):
 
 
 @LOGGERS.register('mlflow', requires='mlflow')
-class MlflowWriter(_Writer):
+class MlflowWriter(Writer):
   """Logs to one MLflow run (tracking server from $MLFLOW_TRACKING_URI, as MLflow's own tools):
   scalars as metrics with their step, hparams as params, images and texts as artifacts.
 
@@ -212,7 +213,7 @@ class MlflowWriter(_Writer):
 
 
 @LOGGERS.register('wandb', requires='wandb')
-class WandbWriter(_Writer):
+class WandbWriter(Writer):
   """Logs to one Weights & Biases run (mode from $WANDB_MODE: online, offline, disabled):
   scalars, images and histograms with their step, texts as HTML, hparams into the run's config.
 
@@ -255,7 +256,7 @@ class WandbWriter(_Writer):
     self._run.finish()
 
 
-class JsonlWriter(_Writer):
+class JsonlWriter(Writer):
   """Appends every scalar write to a JSON-lines file: {"step": 468, "eval/accuracy": 0.98}."""
 
   def __init__(self, path: str):
