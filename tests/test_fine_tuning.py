@@ -28,7 +28,7 @@ from training import losses
 from training import optimizers
 from training import state as state_lib
 from training import run_spec
-from test_plugins import _config as stripes_config
+from tests.helpers.plugins import stripes_config
 from test_train import INFO
 from test_train import create
 from test_train import random_batch
