@@ -11,14 +11,7 @@ from core import runtime  # pylint: disable=g-bad-import-order  (first: it must 
 # In-process training in the tests runs as it does in main.py.
 runtime.start()
 
-def requires_extras(*packages: str) -> None:
-  """Skips the calling test (or fixture) unless the optional packages it needs are installed."""
-  for package in packages:
-    pytest.importorskip(package, reason=f'{package!r} is an optional extra: pip install -r '
-                        'requirements-extras.txt')
-
-
-SHARED_MNIST = pathlib.Path(__file__).resolve().parents[2] / 'shared' / 'datasets' / 'mnist'
+from tests.helpers.optional import SHARED_MNIST  # pylint: disable=g-import-not-at-top
 
 
 @pytest.fixture(scope='session')
@@ -45,27 +38,3 @@ def tfds_data_dir(tmp_path_factory) -> str:
   except errors.DataError as error:
     pytest.skip(f'real MNIST is not available: {error}')
   return str(builder.data_dir_root)
-
-
-def open_data(config):
-  """The data of `config`, opened as training opens it (its training and evaluation splits)."""
-  import input_pipeline  # pylint: disable=g-import-not-at-top  (after runtime.start)
-  from training import run_spec  # pylint: disable=g-import-not-at-top
-  run = run_spec.resolve(config)
-  return input_pipeline.open_data(run.input, run.eval_splits())
-
-
-def create_state(config, info, steps_per_epoch: int):
-  """The initial training state of `config` for the data of `info`, as training builds it."""
-  from training import run_spec  # pylint: disable=g-import-not-at-top
-  from training import state as state_lib  # pylint: disable=g-import-not-at-top
-  run = run_spec.resolve(config)
-  return state_lib.create(run.model, info, run.optimization,
-                          run.optimization.learning_rate_schedule(steps_per_epoch),
-                          seed=run.seed, ema_decay=run.ema_decay)
-
-
-def open_source(config):
-  """The data source that `config` names, opened with its options."""
-  from training import run_spec  # pylint: disable=g-import-not-at-top
-  return run_spec.resolve(config).input.source()

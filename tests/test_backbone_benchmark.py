@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from benchmarks import backbones
-from conftest import requires_extras
+from tests.helpers.optional import requires_extras
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = ('resnet50', 'vit_small_patch16_224')

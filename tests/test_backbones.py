@@ -13,7 +13,7 @@ import pytest
 
 from backbones import common
 from backbones import weights
-from conftest import requires_extras
+from tests.helpers.optional import requires_extras
 from core import errors
 import kernels
 import models

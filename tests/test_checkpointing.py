@@ -14,7 +14,6 @@ import subprocess
 import sys
 
 from flax import nnx
-import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
@@ -29,7 +28,8 @@ from training import hooks
 from training import summaries
 from training import workdirs
 from training import run_spec
-from test_train import create
+from tests.helpers.build import create
+from tests.helpers.runs import saved
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = {'train_split': 'train[:1280]', 'eval_split': 'test[:1000]', 'num_epochs': 2,
@@ -64,21 +64,6 @@ def _start_and_signal(workdir, data_dir, signum):
   process.wait(timeout=300)
   return process.returncode, ''.join(log)
 
-
-def saved(workdir, step=None):
-  """(step, {leaf name: array}) of the state of a checkpoint (default: the latest)."""
-  manager = ocp.CheckpointManager(os.path.join(workdir, checkpointing.CHECKPOINT_DIR))
-  step = manager.latest_step() if step is None else step
-  path = os.path.join(manager.directory, str(step), 'state')
-  checkpointer = ocp.StandardCheckpointer()
-  # Onto this process's first device, whatever devices and processes saved it.
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  tree = checkpointer.restore(path, jax.tree.map(
-      lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device),
-      checkpointer.metadata(path).item_metadata))
-  return step, {jax.tree_util.keystr(path): np.asarray(
-      jax.random.key_data(leaf) if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
-      else leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def _assert_same_state(workdir_a, workdir_b):

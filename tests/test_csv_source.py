@@ -17,7 +17,7 @@ import image_folders
 import input_pipeline
 import train
 from training import run_spec
-import conftest
+from tests.helpers import build
 
 # Kaggle-style integer labels for the shapes: sorted numerically, '2' comes before '10'.
 LABELS = {'top': '1', 'left half': '2', 'centre': '10'}
@@ -67,7 +67,7 @@ def kaggle(tmp_path_factory):
 def test_kaggle_layout_gives_its_info_classes_and_pixels(kaggle):
   csv_path, expected = kaggle
   config = _config(csv_path, in_memory='always')
-  data = conftest.open_data(config)
+  data = build.open_data(config)
   assert data.info == base.DatasetInfo(
       name=csv_path, image_shape=(12, 12, 3), num_classes=3, num_train_examples=18,
       num_eval_examples=6, class_names=CLASS_NAMES)
@@ -99,12 +99,12 @@ def test_split_column_paths_sizes_and_gray_images(tmp_path):
   rows.append(('star', 'extra/only_in_test.png', 'test'))
   csv_path = _write_csv(tmp_path / 'labels.csv', rows)
   config = _config(csv_path, {}, train_split='train', eval_split='test', preprocess='resize(16)')
-  source = conftest.open_source(config)
+  source = build.open_source(config)
   assert source.image_shape == (None, None, 1)  # Sizes vary; every image is gray.
   assert source.class_names == ('centre', 'left half', 'star', 'top')
   assert (source.num_examples('train'), source.num_examples('test')) == (9, 4)
   assert source.num_examples('train[:3]+test') == 7
-  info = conftest.open_data(config).info
+  info = build.open_data(config).info
   assert info.image_shape == (16, 16, 1) and (info.num_train_examples, info.num_eval_examples) == (
       9, 4)
   labels = {example['label'] for example in source.examples('test').as_numpy_iterator()}
@@ -113,7 +113,7 @@ def test_split_column_paths_sizes_and_gray_images(tmp_path):
 
 def test_unknown_split_and_varying_sizes_without_resize_are_refused(tmp_path, kaggle):
   with pytest.raises(errors.ConfigError) as error:
-    conftest.open_data(_config(kaggle[0], eval_split='test'))
+    build.open_data(_config(kaggle[0], eval_split='test'))
   assert (error.value.key, error.value.value) == ('eval_split', 'test')  # No split column.
   csv_path = _write_csv(tmp_path / 'sized.csv', [('file', 'label'), ('a.png', 'x'),
                                                   ('b.png', 'y')])
@@ -121,7 +121,7 @@ def test_unknown_split_and_varying_sizes_without_resize_are_refused(tmp_path, ka
     Image.new('RGB', size[::-1]).save(tmp_path / name)
   config = _config(csv_path, {}, train_split='train', eval_split='train')
   with pytest.raises(errors.DataError):
-    conftest.open_data(config)
+    build.open_data(config)
 
 
 def _bad_rows(root):
@@ -182,15 +182,15 @@ def test_missing_columns_are_config_errors_naming_them(tmp_path, header, options
 def test_unusable_csvs_are_typed_errors_naming_the_file(tmp_path):
   missing = str(tmp_path / 'nowhere.csv')
   with pytest.raises(errors.ConfigError) as error:
-    conftest.open_source(_config(missing))
+    build.open_source(_config(missing))
   assert (error.value.key, error.value.value) == ('dataset', missing)
   csv_path = _write_csv(tmp_path / 'train.csv', [('id', 'label'), ('a', 'x'), ('b', 'y')])
   with pytest.raises(errors.ConfigError) as error:  # The images folder does not exist.
-    conftest.open_source(_config(csv_path))
+    build.open_source(_config(csv_path))
   assert (error.value.key, error.value.value) == ('data_source_options.csv.images', 'images')
   os.makedirs(tmp_path / 'images')
   with pytest.raises(errors.DataError) as error:  # No row names an existing file.
-    conftest.open_source(_config(csv_path))
+    build.open_source(_config(csv_path))
   assert error.value.what == csv_path
   for name, content in (('empty.csv', b''), ('binary.csv', b'\xff\xfe\x00\x81id,label\n')):
     (tmp_path / name).write_bytes(content)
@@ -207,20 +207,20 @@ def _rows(images):
 def test_slices_partition_the_split_in_a_stable_mixed_order(kaggle):
   csv_path, _ = kaggle
   config = _config(csv_path, in_memory='always')
-  data = conftest.open_data(config)
+  data = build.open_data(config)
   halves = [input_pipeline.open_split(data, spec, run_spec.resolve(config).input) for spec in ('train[:50%]',
                                                                         'train[50%:]')]
   whole = input_pipeline.open_split(data, 'train', run_spec.resolve(config).input)
   assert [len(half.labels) for half in halves] == [12, 12]
   assert all(len(set(half.labels)) == 3 for half in halves)  # Hash order mixes the classes.
   assert _rows(np.concatenate([half.images for half in halves])) == _rows(whole.images)
-  again = input_pipeline.open_split(conftest.open_data(config), 'train', run_spec.resolve(config).input)
+  again = input_pipeline.open_split(build.open_data(config), 'train', run_spec.resolve(config).input)
   np.testing.assert_array_equal(again.images, whole.images)  # The same order every time.
 
 
 def test_streamed_and_in_memory_give_the_same_examples(kaggle):
   csv_path, _ = kaggle
-  data = conftest.open_data(_config(csv_path))
+  data = build.open_data(_config(csv_path))
   memory = input_pipeline.open_split(data, 'train[:75%]', run_spec.resolve(_config(csv_path, in_memory='always')).input)
   streamed = input_pipeline.open_split(data, 'train[:75%]', run_spec.resolve(_config(csv_path, in_memory='never')).input)
   assert isinstance(memory, base.Split) and isinstance(streamed, input_pipeline.Streamed)

@@ -15,8 +15,8 @@ import tensorflow_datasets as tfds
 from tensorflow_datasets.core import hashing
 
 from configs import default
-from conftest import SHARED_MNIST
-from conftest import requires_extras
+from tests.helpers.optional import SHARED_MNIST
+from tests.helpers.optional import requires_extras
 from core import errors
 from data_sources import base
 import image_folders
@@ -24,7 +24,7 @@ import input_pipeline
 import preprocessing
 import train
 from training import run_spec
-import conftest
+from tests.helpers import build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,7 +56,7 @@ def torchvision_root(tmp_path_factory, tfds_data_dir):
 @pytest.fixture(scope='module')
 def tfds_splits(tfds_data_dir):
   """TFDS's MNIST: the first 12,800 training images and the 10,000 test images."""
-  source = conftest.open_source(_config(data_dir=tfds_data_dir))
+  source = build.open_source(_config(data_dir=tfds_data_dir))
   return {'train': source.load_split('train[:12800]'), 'test': source.load_split('test')}
 
 
@@ -105,10 +105,10 @@ def test_to_split_adds_the_channel_axis_and_casts_labels():
 
 
 def test_torchvision_mnist_equals_tfds(torchvision_root, tfds_data_dir, tfds_splits):
-  data = conftest.open_data(
+  data = build.open_data(
       _config(data_source='torchvision', dataset='MNIST', data_dir=torchvision_root))
   info, load_split = data.info, data.source.load_split
-  tfds_info = conftest.open_data(_config(data_dir=tfds_data_dir)).info
+  tfds_info = build.open_data(_config(data_dir=tfds_data_dir)).info
   assert info == base.DatasetInfo(
       name='MNIST', image_shape=tfds_info.image_shape, num_classes=tfds_info.num_classes,
       num_train_examples=tfds_info.num_train_examples,
@@ -129,7 +129,7 @@ def test_torchvision_mnist_equals_tfds(torchvision_root, tfds_data_dir, tfds_spl
 
 
 def test_huggingface_local_dataset(huggingface_dir, tfds_splits):
-  data = conftest.open_data(_config(data_source='huggingface', dataset=huggingface_dir))
+  data = build.open_data(_config(data_source='huggingface', dataset=huggingface_dir))
   info, load_split = data.info, data.source.load_split
   assert info == base.DatasetInfo(name=huggingface_dir, image_shape=(28, 28, 1),
                                   num_classes=10, num_train_examples=12_800,
@@ -139,7 +139,8 @@ def test_huggingface_local_dataset(huggingface_dir, tfds_splits):
   assert test.labels.dtype == np.int32
   np.testing.assert_array_equal(test.images, tfds_splits['test'].images)
   np.testing.assert_array_equal(test.labels, tfds_splits['test'].labels)
-  batches = input_pipeline.eval_batches(test, batch_size=1000)
+  batches = input_pipeline.eval_batches(input_pipeline.InMemory(test.images, test.labels),
+                                        batch_size=1000)
   assert min(batch['image'].min() for batch in batches) == 0  # uint8: scaled in the step.
   assert max(batch['image'].max() for batch in batches) == 255
 
@@ -148,11 +149,11 @@ def test_missing_data_says_where_it_looked(tmp_path):
   requires_extras('torchvision', 'datasets')
   config = _config(data_source='torchvision', dataset='MNIST', data_dir=str(tmp_path))
   with pytest.raises(errors.DataError) as error:
-    conftest.open_source(config)
+    build.open_source(config)
   assert error.value.what == str(tmp_path / 'MNIST')
   missing = str(tmp_path / 'no_such_dataset')
   with pytest.raises(errors.DataError) as error:
-    conftest.open_source(_config(data_source='huggingface', dataset=missing))
+    build.open_source(_config(data_source='huggingface', dataset=missing))
   assert error.value.what == missing
 
 
@@ -177,14 +178,14 @@ def test_missing_optional_package_names_it(monkeypatch, tmp_path, key, value, pa
 def test_bad_torchvision_values(overrides, key):
   requires_extras('torchvision')
   with pytest.raises(errors.ConfigError) as error:
-    conftest.open_source(_config(**overrides))
+    build.open_source(_config(**overrides))
   assert (error.value.key, error.value.value) == (key, overrides.get(key))
 
 
 def _split(num_examples):
   rng = np.random.default_rng(0)
   images = rng.integers(0, 256, (num_examples, 6, 5, 1), dtype=np.uint8)
-  return base.Split(images=images, labels=np.arange(num_examples, dtype=np.int32))
+  return input_pipeline.InMemory(images=images, labels=np.arange(num_examples, dtype=np.int32))
 
 
 def _ids(batches):
@@ -198,7 +199,9 @@ def test_torch_batches_match_the_tf_pipeline():
 
   def batches(start_epoch=0, **overrides):
     config = _config(batch_size=8, num_epochs=2, **overrides)
-    return list(input_pipeline.train_batches(split, data, run_spec.resolve(config).input, 8, start_epoch))
+    inputs = run_spec.resolve(config).input
+    return list(input_pipeline.train_batches(input_pipeline.in_memory(split, inputs), data,
+                                             inputs, 8, start_epoch))
 
   torch_batches, tf_batches = batches(input_backend='torch'), batches()
   layout = lambda batch: {key: (value.shape, value.dtype) for key, value in batch.items()}
@@ -275,10 +278,10 @@ def test_a_prepared_tfds_dataset_loads_by_name_and_data_dir(custom_tfds_dir):
   overrides = dict(dataset='shapes_custom', data_dir=custom_tfds_dir, preprocess='resize(16)',
                    batch_size=8, num_epochs=1, shuffle_buffer_size=8)
   config = _config(**overrides)
-  data = conftest.open_data(config)  # Not in tfds.list_builders(), but TFDS can load it.
+  data = build.open_data(config)  # Not in tfds.list_builders(), but TFDS can load it.
   assert data.source.image_shape == (None, None, 3)
   with pytest.raises(errors.DataError):  # Varying sizes need a resize.
-    conftest.open_data(_config(**{**overrides, 'preprocess': ''}))
+    build.open_data(_config(**{**overrides, 'preprocess': ''}))
   assert data.info == base.DatasetInfo(
       name='shapes_custom', image_shape=(16, 16, 3), num_classes=3, num_train_examples=40,
       num_eval_examples=12, class_names=tuple(image_folders.SHAPES))
@@ -292,5 +295,5 @@ def test_a_prepared_tfds_dataset_loads_by_name_and_data_dir(custom_tfds_dir):
   assert len(epochs[0]) == 40 and epochs[0] == epochs[1]
   # A name that is neither registered nor prepared there is still refused.
   with pytest.raises(errors.ConfigError) as error:
-    conftest.open_source(_config(**{**overrides, 'dataset': 'shapes_kustom'}))
+    build.open_source(_config(**{**overrides, 'dataset': 'shapes_kustom'}))
   assert (error.value.key, error.value.value) == ('dataset', 'shapes_kustom')

@@ -9,26 +9,14 @@ import sys
 
 import pytest
 
-from tensorboard.backend.event_processing import event_accumulator
-import tensorflow as tf
-
 from training import summaries
+from tests.helpers.runs import scalars
 
 pytestmark = pytest.mark.slow  # Launches main.py on real MNIST.
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TAGS = {'train/loss', 'train/accuracy', 'eval/loss', 'eval/accuracy', 'learning_rate',
         'train/examples_per_sec'}
-
-
-def scalars(workdir):
-  """{tag: [(step, value)]} of every scalar summary in the event files of `workdir`."""
-  accumulator = event_accumulator.EventAccumulator(workdir, size_guidance={'tensors': 0})
-  accumulator.Reload()
-  return {tag: [(event.step, float(tf.make_ndarray(event.tensor_proto)))
-                for event in accumulator.Tensors(tag)]
-          for tag in accumulator.Tags()['tensors']
-          if accumulator.SummaryMetadata(tag).plugin_data.plugin_name == 'scalars'}
 
 
 def main(*args, timeout=900):

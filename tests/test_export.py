@@ -17,8 +17,8 @@ import pytest
 import tensorflow as tf
 
 from configs import default
-import conftest
-from conftest import requires_extras
+from tests.helpers import build
+from tests.helpers.optional import requires_extras
 from core import errors
 from data_sources import base
 import image_folders
@@ -72,7 +72,7 @@ def _make_workdir(workdir: str, config, image_shape=(SIZE, SIZE, 3)) -> run_spec
   workdirs.check_resume_config(run.settings, workdir, has_checkpoint=False)
   workdirs.save_info(workdir, info)
   checkpoints = checkpointing.Checkpoints(workdir)
-  checkpoints.save(1, conftest.create_state(config, info, 1),
+  checkpoints.save(1, build.create_state(config, info, 1),
                    {'epoch': 0, 'step_in_epoch': 1, 'steps_per_epoch': 1, 'hooks': {}})
   checkpoints.close()
   with open(os.path.join(workdir, calibration.TEMPERATURE_FILE), 'w', encoding='utf-8') as file:

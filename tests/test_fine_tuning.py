@@ -29,12 +29,12 @@ from training import optimizers
 from training import state as state_lib
 from training import run_spec
 from tests.helpers.plugins import stripes_config
-from test_train import INFO
-from test_train import create
-from test_train import random_batch
-from test_checkpointing import saved
-from test_training_quality import _train_until_a_sigterm_at
-import conftest
+from tests.helpers.build import INFO
+from tests.helpers.build import create
+from tests.helpers.build import random_batch
+from tests.helpers.runs import saved
+from tests.helpers.runs import train_until_a_sigterm_at
+from tests.helpers import build
 import image_folders
 
 
@@ -55,7 +55,7 @@ def test_init_from_loads_matching_weights_and_reinitialises_a_new_head(tmp_path)
   target = default.get_config()
   target.model_options.cnn.update(conv1_features=4, conv2_features=8, hidden_features=16)
   info = INFO.__class__(**{**INFO.__dict__, 'image_shape': (8, 8, 1), 'num_classes': 3})
-  state = conftest.create_state(target, info, 10)
+  state = build.create_state(target, info, 10)
   loaded, fresh = checkpointing.init_weights(
       state.model, checkpointing.checkpoint_path(str(tmp_path / 'source')))
   assert sorted(fresh) == ['linear2.bias ((3,), (2,) there)',
@@ -291,7 +291,7 @@ def test_a_resumed_vit_run_ends_bit_exactly_like_an_uninterrupted_one(tmp_path, 
   config = _vit_photos(str(tmp_path / 'photos'))
   whole, halves = str(tmp_path / 'whole'), str(tmp_path / 'halves')
   train.train_and_evaluate(run_spec.resolve(config), whole)
-  _train_until_a_sigterm_at(9, config, halves, monkeypatch)  # 6 steps an epoch.
+  train_until_a_sigterm_at(9, config, halves, monkeypatch)  # 6 steps an epoch.
   assert saved(halves)[0] == 9
   train.train_and_evaluate(run_spec.resolve(config), halves)
   (step, state), (resumed_step, resumed) = saved(whole), saved(halves)

@@ -21,7 +21,7 @@ import input_pipeline
 from training import run_spec
 import preprocessing
 from preprocessing import resize as resize_ops
-import conftest
+from tests.helpers import build
 
 # PIL's and TensorFlow's JPEG decoders differ in chroma upsampling and rounding.
 _JPEG_TOLERANCE = 8
@@ -43,7 +43,7 @@ def _config(root, **overrides):
 
 
 def _data(root, **overrides):
-  return conftest.open_data(_config(root, **overrides))
+  return build.open_data(_config(root, **overrides))
 
 
 def test_classes_sizes_channels_and_skipped_files(shapes_root, caplog):
@@ -123,7 +123,7 @@ def _rows(images):
 
 def test_slices_partition_a_split_and_mix_classes(shapes_root):
   config = _config(shapes_root, in_memory='always')
-  data = conftest.open_data(config)
+  data = build.open_data(config)
   halves = [input_pipeline.open_split(data, spec, run_spec.resolve(config).input)
             for spec in ('train[:50%]', 'train[50%:]')]
   whole = input_pipeline.open_split(data, 'train', run_spec.resolve(config).input)
@@ -153,14 +153,14 @@ def test_bad_layouts_are_data_errors_naming_the_folder(tmp_path, make, what):
   root = str(tmp_path / 'data')
   make(root)
   with pytest.raises(errors.DataError) as error:
-    conftest.open_source(_config(root))
+    build.open_source(_config(root))
   assert error.value.what == os.path.join(root, what).rstrip('/')
 
 
 def test_missing_root_and_mistyped_split(shapes_root, tmp_path):
   missing = str(tmp_path / 'nowhere')
   with pytest.raises(errors.ConfigError) as error:
-    conftest.open_source(_config(missing))
+    build.open_source(_config(missing))
   assert (error.value.key, error.value.value) == ('dataset', missing)
   with pytest.raises(errors.ConfigError) as error:
     _data(shapes_root, train_split='trian')
@@ -281,7 +281,7 @@ def test_streamed_and_in_memory_give_the_same_examples_per_epoch(shapes_root):
 def test_streamed_resume_gives_the_uninterrupted_batches(shapes_root):
   config = _config(shapes_root, in_memory='never', num_epochs=3,
                    preprocess='resize(16)|translate(2)|flip_lr')
-  data = conftest.open_data(config)
+  data = build.open_data(config)
   streamed = input_pipeline.open_split(data, 'train', run_spec.resolve(config).input)
   batches = lambda *start: list(input_pipeline.train_batches(streamed, data, run_spec.resolve(config).input, 8, *start))
   full, resumed = batches(), batches(1, 3)  # 9 batches per epoch.

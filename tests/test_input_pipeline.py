@@ -14,7 +14,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from configs import default
-from conftest import requires_extras
+from tests.helpers.optional import requires_extras
 from core import errors
 from data_sources import base
 from data_sources import tfds_source
@@ -23,7 +23,7 @@ from modes import evaluate
 import preprocessing
 import train
 from training import run_spec
-import conftest
+from tests.helpers import build
 import image_folders
 
 
@@ -137,7 +137,7 @@ def test_eval_counts_every_example_exactly_once():
 
 
 def test_real_mnist_info_and_splits(tfds_data_dir):
-  data = conftest.open_data(_config(data_dir=tfds_data_dir))
+  data = build.open_data(_config(data_dir=tfds_data_dir))
   assert data.info == base.DatasetInfo(name='mnist', image_shape=(28, 28, 1), num_classes=10,
                                        num_train_examples=60_000, num_eval_examples=10_000,
                                        class_names=tuple('0123456789'))
@@ -205,10 +205,10 @@ def test_sources_and_backends_that_cannot_serve_the_input(overrides, key, packag
 
 def test_random_ops_must_keep_the_model_input_size(tfds_data_dir):
   with pytest.raises(errors.ConfigError) as error:  # A 32x32 crop of 28x28 images.
-    conftest.open_data(_config(data_dir=tfds_data_dir,
+    build.open_data(_config(data_dir=tfds_data_dir,
                                      preprocess='random_crop(32, pad=4)|flip_lr'))
   assert error.value.key == 'preprocess'
-  data = conftest.open_data(_config(data_dir=tfds_data_dir,
+  data = build.open_data(_config(data_dir=tfds_data_dir,
                                           preprocess='resize(32)|random_crop(32, pad=4)'))
   assert data.info.image_shape == (32, 32, 1)
 
@@ -244,7 +244,7 @@ def test_augmented_batches_are_seeded_and_resume_exactly():
 def test_tfds_streaming_gives_the_in_memory_examples_and_resumes_exactly(tfds_data_dir):
   config = _config(data_dir=tfds_data_dir, train_split='train[:512]', batch_size=64,
                    shuffle_buffer_size=128)
-  data = conftest.open_data(config)
+  data = build.open_data(config)
   streamed = input_pipeline.open_split(data, config.train_split, run_spec.resolve(_with(config, in_memory='never')).input)
   in_memory = input_pipeline.open_split(data, config.train_split, run_spec.resolve(config).input)
   assert isinstance(streamed, input_pipeline.Streamed) and streamed.num_examples == 512

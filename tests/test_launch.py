@@ -15,9 +15,9 @@ import pytest
 
 import image_folders
 from training import summaries
-from test_checkpointing import saved
-from test_end_to_end import scalars
-from test_parallel import free_port
+from tests.helpers.runs import saved
+from tests.helpers.runs import scalars
+from tests.helpers.runs import free_port
 
 pytestmark = pytest.mark.slow  # Several multi-process runs of main.py.
 

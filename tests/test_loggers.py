@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-import conftest
+from tests.helpers.optional import requires_extras
 from core import errors
 from training import loggers
 from training import summaries
@@ -125,7 +125,7 @@ def _log_mlflow_run_and_resume(workdir, spec='tensorboard|mlflow'):
 
 
 def test_mlflow_resumed_run_continues_the_same_run(tmp_path, monkeypatch):
-  conftest.requires_extras('mlflow')
+  requires_extras('mlflow')
   import mlflow  # pylint: disable=g-import-not-at-top
   # MLflow's local database store: 3.17 refuses its file store (file:) unless
   # MLFLOW_ALLOW_FILE_STORE=true. Its artifacts go to ./mlruns.
@@ -143,7 +143,7 @@ def test_mlflow_resumed_run_continues_the_same_run(tmp_path, monkeypatch):
 def test_mlflow_store_that_refuses_is_one_config_error(tmp_path, monkeypatch):
   """MLflow 3 refuses a file: store (without MLFLOW_ALLOW_FILE_STORE=true): one line naming
   config.loggers, before any metric."""
-  conftest.requires_extras('mlflow')
+  requires_extras('mlflow')
   monkeypatch.setenv('MLFLOW_TRACKING_URI', f'file:{tmp_path / "store"}')
   monkeypatch.delenv('MLFLOW_ALLOW_FILE_STORE', raising=False)
   with pytest.raises(errors.ConfigError) as error:
@@ -160,7 +160,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_mlflow_server_over_http(tmp_path, monkeypatch):
-  conftest.requires_extras('mlflow')
+  requires_extras('mlflow')
   port = _free_port()
   log = tmp_path / 'server.log'
   with open(log, 'wb') as output:
@@ -212,7 +212,7 @@ def _read_wandb_log(wandb_file) -> tuple[str, dict, dict[int, float]]:
 
 
 def test_wandb_offline_resumed_run_keeps_its_id(tmp_path, monkeypatch):
-  conftest.requires_extras('wandb')
+  requires_extras('wandb')
   for variable in ('WANDB_DIR', 'WANDB_CACHE_DIR', 'WANDB_CONFIG_DIR', 'WANDB_DATA_DIR'):
     monkeypatch.setenv(variable, str(tmp_path / variable.lower()))
   monkeypatch.setenv('WANDB_MODE', 'offline')
@@ -243,7 +243,7 @@ def test_a_training_run_logs_every_epoch_and_its_config_to_mlflow_and_resumes_th
     tfds_data_dir, tmp_path, monkeypatch):
   """config.loggers='tensorboard|mlflow' (jsonl added): MLflow's own client reads back
   eval/accuracy of every epoch, in one run across a resume, and the config as params."""
-  conftest.requires_extras('mlflow')
+  requires_extras('mlflow')
   import mlflow  # pylint: disable=g-import-not-at-top
   from configs import default  # pylint: disable=g-import-not-at-top
   import train  # pylint: disable=g-import-not-at-top

@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -14,10 +13,9 @@ from configs import default
 from core import errors
 from data_sources import base
 import input_pipeline
-import preprocessing
 from training import evaluators
 from training import run_spec
-import conftest
+from tests.helpers import build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -129,7 +127,7 @@ def test_bad_process_flags_exit_with_the_fix(tmp_path):
 
 
 def test_eval_batches_pad_to_the_requested_number_of_batches():
-  split = base.Split(images=np.ones((7, 2, 2, 1), np.uint8),
+  split = input_pipeline.InMemory(images=np.ones((7, 2, 2, 1), np.uint8),
                                labels=np.arange(7, dtype=np.int32))
   batches = input_pipeline.eval_batches(split, batch_size=3,
                                        num_batches=4)
@@ -145,7 +143,7 @@ def test_two_processes_count_every_example_of_an_odd_split_once(tfds_data_dir, m
   config = default.get_config()
   config.update(data_dir=tfds_data_dir, train_split='train[:128]', eval_split=split)
   run = run_spec.resolve(config)
-  data = conftest.open_data(config)
+  data = build.open_data(config)
   assert data.eval_sizes['eval'] == size
 
   def process_slice(index, count, batch_size):
@@ -167,9 +165,3 @@ def test_two_processes_count_every_example_of_an_odd_split_once(tfds_data_dir, m
   assert batches_0 == batches_1 == 7  # 7 local batches of 8 each: the same number of steps.
   assert count_0 + count_1 == size
   np.testing.assert_array_equal(np.concatenate([real_0, real_1]), whole)
-
-
-def free_port() -> int:
-  with socket.socket() as sock:
-    sock.bind(('127.0.0.1', 0))
-    return sock.getsockname()[1]

@@ -12,8 +12,8 @@ import jax
 import pytest
 
 from benchmarks import peer
-from conftest import SHARED_MNIST
-from conftest import requires_extras
+from tests.helpers.optional import SHARED_MNIST
+from tests.helpers.optional import requires_extras
 import kernels
 import models
 

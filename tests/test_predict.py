@@ -19,7 +19,7 @@ import train
 from training import calibration
 from training import workdirs
 from training import run_spec
-import conftest
+from tests.helpers import build
 
 CLASSES = ('centre', 'left half', 'top')
 
@@ -201,7 +201,7 @@ def test_predict_bad_inputs_are_one_line_errors(trained, tmp_path):
   gray_info = base.DatasetInfo(name='digits', image_shape=(16, 16, 1), num_classes=3,
                                num_train_examples=12, num_eval_examples=1, class_names=CLASSES)
   workdirs.save_info(gray_workdir, gray_info)
-  state = conftest.create_state(gray_config, gray_info, 1)
+  state = build.create_state(gray_config, gray_info, 1)
   checkpoints = train.checkpointing.Checkpoints(gray_workdir)
   checkpoints.save(1, state, {'epoch': 0, 'step_in_epoch': 1, 'steps_per_epoch': 1,
                               'hooks': {}})

@@ -14,7 +14,7 @@ import input_pipeline
 from modes import evaluate
 from modes import predict
 from training import run_spec
-import conftest
+from tests.helpers.optional import requires_extras
 
 
 def _config(root: str, weights: str):
@@ -29,7 +29,7 @@ def test_eval_and_predict_score_imported_weights_before_training(tmp_path):
   """A timm resnet18 (seeded random weights, 3 classes) saved as safetensors: eval's accuracy
   on a generated folder is timm's own on the same prepared images, and predict classifies
   every readable file."""
-  conftest.requires_extras('timm', 'torch', 'safetensors')
+  requires_extras('timm', 'torch', 'safetensors')
   import safetensors.torch  # pylint: disable=g-import-not-at-top
   import timm  # pylint: disable=g-import-not-at-top
   import torch  # pylint: disable=g-import-not-at-top

@@ -17,7 +17,7 @@ import models
 import preprocessing
 from preprocessing import crop
 from training import run_spec
-import conftest
+from tests.helpers.optional import requires_extras
 
 
 def _photo(height: int, width: int, seed: int = 0) -> np.ndarray:
@@ -143,7 +143,7 @@ def test_pretrained_eval_preprocessing_is_timms(name):
   on the same PIL image. Both resize bicubically with antialiasing, PIL's and TF's kernels
   differing by rounding: on a noisy photo 0.2 levels (of 255) on average, at most 7 measured;
   asserted below 0.5 and 12. A crop one pixel off is far outside (checked)."""
-  conftest.requires_extras('timm')
+  requires_extras('timm')
   from timm import data as timm_data  # pylint: disable=g-import-not-at-top
   import timm  # pylint: disable=g-import-not-at-top
   image = _photo(300, 410)

@@ -13,10 +13,11 @@ from core import errors
 from core import progress
 from kernels import cpu
 from training import checkpointing
-from training import evaluation
 from training import hooks
 from training import run_spec
-from test_train import INFO, create, random_batch
+from tests.helpers.build import INFO
+from tests.helpers.build import create
+from tests.helpers.build import random_batch
 
 
 class _Result:

@@ -31,8 +31,8 @@ from training import checkpointing
 from training import summaries
 from training import workdirs
 from training import run_spec
-from test_checkpointing import saved as _saved
-from test_parallel import free_port
+from tests.helpers.runs import saved as _saved
+from tests.helpers.runs import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = {'train_split': 'train[:256]', 'eval_split': 'test[:256]', 'batch_size': 32,

@@ -15,28 +15,12 @@ from training import evaluation
 from training import evaluators
 from training import optimizers
 from training import parallel
-from training import state as state_lib
 from training import run_spec
-import conftest
+from tests.helpers.build import INFO
+from tests.helpers.build import create
+from tests.helpers.build import random_batch
 
-INFO = base.DatasetInfo(name='mnist', image_shape=(28, 28, 1), num_classes=10,
-                        num_train_examples=3200, num_eval_examples=250)
 NO_OPS = preprocessing.parse('')  # Pixels scaled to [0, 1], nothing else.
-
-
-def create(**overrides):
-  """A training state and its train step for the default config with `overrides`."""
-  config = default.get_config()
-  config.update(overrides)
-  state = conftest.create_state(config, INFO, steps_per_epoch=100)
-  run = run_spec.resolve(config)
-  return state, state_lib.make_train_step(run.loss(INFO.num_classes), run.input.preprocess)
-
-
-def random_batch(batch_size=32, seed=0):
-  rng = np.random.default_rng(seed)
-  return {'image': rng.random((batch_size, 28, 28, 1), dtype=np.float32),
-          'label': rng.integers(0, 10, batch_size).astype(np.int32)}
 
 
 def key_data(x):
@@ -61,7 +45,8 @@ def test_compiled_creation_equals_eager_creation():
 
 
 def _eval_batches(split, batch_size):
-  return input_pipeline.eval_batches(split, batch_size)
+  return input_pipeline.eval_batches(input_pipeline.InMemory(split.images, split.labels),
+                                     batch_size)
 
 
 def test_steps_compiled_ahead_are_reused_and_change_nothing():

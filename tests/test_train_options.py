@@ -17,10 +17,10 @@ import train
 from training import losses
 from training import state as state_lib
 from training import run_spec
-from test_train import INFO
-from test_train import create
-from test_train import random_batch as _batch
-import conftest
+from tests.helpers.build import INFO
+from tests.helpers.build import create
+from tests.helpers.build import random_batch as _batch
+from tests.helpers import build
 
 
 def _config(**overrides):
@@ -149,7 +149,7 @@ def test_bfloat16_training_keeps_float32_state_and_lowers_the_loss():
   config = _config(compute_dtype='bfloat16', learning_rate=0.05)
   config.model_options.cnn.update(conv1_features=8, conv2_features=16, hidden_features=32,
                                   dropout_rate=0.0)
-  state = conftest.create_state(config, INFO, steps_per_epoch=100)
+  state = build.create_state(config, INFO, steps_per_epoch=100)
   run = run_spec.resolve(config)
   train_step = state_lib.make_train_step(run.loss(10), run.input.preprocess)
   assert isinstance(state.model.conv1, cpu.Conv)  # The CPU layers on the CPU backend.
@@ -206,7 +206,7 @@ def test_invalid_values_are_config_errors_naming_the_key(overrides, key):
   with pytest.raises(errors.ConfigError) as error:
     config = _config(**overrides)
     run_spec.resolve(config)
-    conftest.create_state(config, INFO, 100)  # Values a plug-in judges when it is built.
+    build.create_state(config, INFO, 100)  # Values a plug-in judges when it is built.
     run_spec.resolve(config).loss(10)
   assert error.value.key == key
 

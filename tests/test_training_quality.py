@@ -1,7 +1,6 @@
 """Validation and test splits, the best checkpoint, early stopping and the EMA of the weights."""
 
 import os
-import signal
 
 from flax import nnx
 import jax
@@ -10,16 +9,16 @@ import pytest
 
 from configs import default
 from core import errors
-from core import runtime
 from modes import evaluate
 import train
 from training import checkpointing
 from training import hooks
 from training import summaries
 from training import run_spec
-from test_checkpointing import saved
-from test_train import create
-from test_train import random_batch
+from tests.helpers.runs import saved
+from tests.helpers.build import create
+from tests.helpers.build import random_batch
+from tests.helpers.runs import train_until_a_sigterm_at
 
 
 @pytest.mark.parametrize('best_metric,maximize,values,best_epoch', [
@@ -153,16 +152,6 @@ def test_a_resumed_run_with_ema_ends_bit_exactly_like_an_uninterrupted_one(tfds_
     np.testing.assert_array_equal(resumed[name], value, err_msg=name)
 
 
-def _train_until_a_sigterm_at(stop_step: int, config, workdir: str, monkeypatch) -> None:
-  """Trains `config` in `workdir` as if a SIGTERM arrived at `stop_step`: saved, interrupted."""
-  def stop_at(signals, step):
-    signals.received = signal.SIGTERM
-    return step == stop_step
-  with monkeypatch.context() as patch:
-    patch.setattr(runtime.StopSignals, 'reached', stop_at)
-    with pytest.raises(runtime.Interrupted):
-      train.train_and_evaluate(run_spec.resolve(config), workdir)
-
 
 @pytest.mark.slow
 def test_a_resumed_run_with_every_training_option_ends_bit_exactly(tfds_data_dir, tmp_path,
@@ -182,7 +171,7 @@ def test_a_resumed_run_with_every_training_option_ends_bit_exactly(tfds_data_dir
   whole, halves = str(tmp_path / 'whole'), str(tmp_path / 'halves')
   train.train_and_evaluate(run_spec.resolve(config), whole)
 
-  _train_until_a_sigterm_at(21, config, halves, monkeypatch)
+  train_until_a_sigterm_at(21, config, halves, monkeypatch)
   assert saved(halves)[0] == 21
   train.train_and_evaluate(run_spec.resolve(config), halves)
   (step, state), (resumed_step, resumed) = saved(whole), saved(halves)
@@ -209,7 +198,7 @@ def test_two_evaluations_at_their_cadences_log_both_and_resume_bit_exactly(tfds_
   assert {metrics[6]['holdout/num_examples'], metrics[16]['eval/num_examples']} == {100, 256}
   assert 'holdout/top2_accuracy' in metrics[30] and 'eval/loss' in metrics[32]
 
-  _train_until_a_sigterm_at(21, config, halves, monkeypatch)
+  train_until_a_sigterm_at(21, config, halves, monkeypatch)
   train.train_and_evaluate(run_spec.resolve(config), halves)
   (step, state), (resumed_step, resumed) = saved(whole), saved(halves)
   assert step == resumed_step == 32

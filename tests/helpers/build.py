@@ -1,0 +1,48 @@
+"""Building what a test trains or reads, as the app builds it: data, a training state and its
+train step, random batches."""
+
+import numpy as np
+
+from configs import default
+from data_sources import base
+import input_pipeline
+from training import run_spec
+from training import state as state_lib
+
+
+INFO = base.DatasetInfo(name='mnist', image_shape=(28, 28, 1), num_classes=10,
+                        num_train_examples=3200, num_eval_examples=250)
+
+
+def create(**overrides):
+  """A training state and its train step for the default config with `overrides`."""
+  config = default.get_config()
+  config.update(overrides)
+  state = create_state(config, INFO, steps_per_epoch=100)
+  run = run_spec.resolve(config)
+  return state, state_lib.make_train_step(run.loss(INFO.num_classes), run.input.preprocess)
+
+
+def random_batch(batch_size=32, seed=0):
+  rng = np.random.default_rng(seed)
+  return {'image': rng.random((batch_size, 28, 28, 1), dtype=np.float32),
+          'label': rng.integers(0, 10, batch_size).astype(np.int32)}
+
+
+def open_data(config):
+  """The data of `config`, opened as training opens it (its training and evaluation splits)."""
+  run = run_spec.resolve(config)
+  return input_pipeline.open_data(run.input, run.eval_splits())
+
+
+def create_state(config, info, steps_per_epoch: int):
+  """The initial training state of `config` for the data of `info`, as training builds it."""
+  run = run_spec.resolve(config)
+  return state_lib.create(run.model, info, run.optimization,
+                          run.optimization.learning_rate_schedule(steps_per_epoch),
+                          seed=run.seed, ema_decay=run.ema_decay)
+
+
+def open_source(config):
+  """The data source that `config` names, opened with its options."""
+  return run_spec.resolve(config).input.source()
