@@ -1,39 +1,42 @@
 """Input pipeline: a data source's splits, preprocessed, as NumPy batches for JAX.
 
-`Input` is how a run reads its data, resolved from the config by `training/spec.py`. `open_data`
-opens its source and checks the splits: the `DatasetInfo` the model is built for. `open_split`
-gives a split as `Input.in_memory` says:
-decoded once into NumPy arrays held in memory (`base.Split`), or `Streamed`: read from the
-source's files on every pass, decoded in parallel, never whole in memory. Either way, images are
-resized (the preprocessing's first stage) where they are decoded and stay uint8 until batched.
-A crop op (`random_resized_crop`) cuts each training image before batching, where it is decoded
-when streamed (only the window of a JPEG is decoded), from the split in memory otherwise, and
-with the decoded cache (`Input.decoded_cache`) from a copy decoded once at `CACHE_SIDE` x the
-input size; its window is drawn from (seed, epoch, the image's place in the epoch's order).
+`Input` is how a run reads its data, resolved from the config by `training/run_spec.py`.
+`open_data` opens its source and checks the splits: the `DatasetInfo` the model is built for.
+`open_split` chooses, once, how a split is read, as `Input` says: one of three `Split`s, each
+giving a training epoch's batches (`Split.epoch`) and the eval batches (`Split.eval_batches`):
 
-Training examples go through tf.data as map (decode and resize, once for a split in memory, on
-every pass when streamed) -> shuffle -> batch -> prefetch, where each batch is also mapped, as
-it is made, through the preprocessing's random ops (vectorised over the batch). With a crop op,
-the images (or the file names, or the cached copies) are shuffled before it cuts them, and the
-crops are batched in that order. Batches leave
-the host as uint8 (unless a random op or Mixup computes new pixel values: `Input.image_dtype`)
-and are scaled on the devices, inside the compiled steps (`Preprocessing.scale`): the host does
-less and sends a quarter of the bytes. With `config.input_backend='torch'` a
-torch DataLoader shuffles and batches instead, and tf.data maps its batches the same way. Every
-epoch has its own shuffle order (and file order, when streamed) and augmentation draws, derived
-from the run's seed, so a run can restart at any step and see the same data. Eval batches get
-the deterministic stages only (uint8), padded to equal sizes with a mask, and go to the devices
-one at a time. `batch_layout` is the one description of a batch's arrays, for compiling ahead.
+- `InMemory`: decoded once into NumPy arrays; tf.data shuffles and batches them.
+- `TorchLoaded` (`config.input_backend='torch'`): the same arrays, shuffled and batched by a
+  torch DataLoader: the classic "PyTorch loads, JAX computes" pipeline.
+- `Streamed`: read from the source's files on every pass, decoded in parallel, never whole in
+  memory; only the shuffle buffer (or the decoded cache) is.
+
+Images are resized (the preprocessing's first stage) where they are decoded and stay uint8 until
+batched. A crop op (`random_resized_crop`) cuts each training image before batching, drawing its
+window from (seed, epoch, the image's place in the epoch's order), so the images (or the file
+names, or the cached copies) are shuffled before it cuts them. Its windows and resize are the
+preprocessing's (`preprocessing.EpochCrops`); a source only decodes a window it is given, and an
+image-file source decodes only that window of a JPEG. With the decoded cache
+(`Input.decoded_cache`), a streamed split's images are decoded once, at `CACHE_SIDE` x the input
+size, and every later epoch cuts its windows from that copy.
+
+`train_batches` is the one training loop over any `Split`: each epoch's batches are numbered,
+those already trained on skipped, and each mapped through the preprocessing's random ops
+(vectorised over the batch) and Mixup/CutMix, seeded by (seed, epoch, batch number), so a run
+can restart at any step and see the same data. Batches leave the host as uint8 (unless a random
+op or Mixup computes new pixel values: `Input.image_dtype`) and are scaled on the devices, inside
+the compiled steps (`Preprocessing.scale`): the host does less and sends a quarter of the bytes.
+Eval batches get the deterministic stages only (uint8), padded to equal sizes with a mask, and go
+to the devices one at a time. `batch_layout` is the one description of a batch's arrays, for
+compiling ahead.
 """
 
-import atexit
+import abc
 from collections.abc import Callable, Iterator
 import dataclasses
 import functools
 import math
 import os
-import shutil
-import tempfile
 from typing import NamedTuple
 
 from absl import logging
@@ -50,7 +53,7 @@ from preprocessing import resize as resize_ops
 
 Batch = dict[str, np.ndarray]
 IN_MEMORY = ('auto', 'always', 'never')
-DECODED_CACHE = ('auto', 'memory', 'disk', 'off')
+DECODED_CACHE = ('auto', 'memory', 'off')
 # The decoded cache holds images with the shorter side at most this many times the model's
 # input size: room for the crop op's windows at little more than a copy at the input size.
 CACHE_SIDE = 1.15
@@ -62,9 +65,6 @@ INPUT_BACKENDS = ('tf', 'torch')
 MEMORY_SHARE = 0.25
 _MAP_BLOCK = 1024  # Examples resized per tf.data map call.
 _PREFETCH_BATCHES = 2  # Training batches prepared ahead of the train loop.
-# tf.data's autotuning of the training batches: off (see `_numpy_batches`); the input-pipeline
-# benchmark's --tf_data_autotune measures it on.
-TF_DATA_AUTOTUNE = False
 _PREFETCH_EVAL = 2  # Eval batches prepared ahead.
 _FEW_EXAMPLES = 10  # A class with fewer training examples than this gets a warning.
 
@@ -76,9 +76,9 @@ class Input:
   `in_memory`: 'always' decodes each split into memory once, 'never' streams it from its files
   on every pass, 'auto' keeps it in memory when it fits `MEMORY_SHARE` of the machine's memory.
   `decoded_cache`: for a streamed training split with a crop op, the images decoded once and
-  shrunk (shorter side `CACHE_SIDE` x the input size), kept in memory ('memory'), written once
-  to a temporary directory ('disk'), 'auto' (in memory when it fits `MEMORY_SHARE` and
-  `in_memory` is not 'never', else on disk), or 'off': every epoch decodes the files again.
+  shrunk (shorter side `CACHE_SIDE` x the input size), kept in memory ('memory'; 'auto': when
+  it fits `MEMORY_SHARE` and `in_memory` is not 'never'), or 'off': every epoch decodes the
+  files again.
   Mixing (Mixup/CutMix, soft targets) is on when an alpha is, but in the last
   `unmixed_last_epochs` epochs.
   """
@@ -116,23 +116,6 @@ class Data:
   preprocess: preprocessing.Preprocessing
   info: base.DatasetInfo
   eval_sizes: dict[str, int] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
-class Streamed:
-  """A split read from its source's files on every pass; only tf.data's buffers are in memory."""
-  # shuffle seed (None: the source's order) -> {'image': uint8 image_shape, 'label': int32},
-  # images as eval prepares them.
-  examples: Callable[[int | None], tf.data.Dataset]
-  num_examples: int
-  image_shape: tuple[int, int, int]
-  # -> the decoded examples a training epoch's shuffle holds (`_shuffle_buffer`), worked out
-  # (and warned about) once, by the first shuffle that needs it: eval never shuffles.
-  shuffle_buffer: Callable[[], int]
-  # A training split of a run with a crop op: epoch seed -> the examples shuffled in that
-  # epoch's order, each image cut by the crop op where it is decoded (or from the decoded
-  # cache).
-  cropped: Callable[[int], tf.data.Dataset] | None = None
 
 
 class EvalSplit(NamedTuple):
@@ -198,96 +181,221 @@ def process_split(split: str, drop_remainder: bool = False) -> base.SplitArg:
   return tfds.split_for_jax_process(split, drop_remainder=drop_remainder)
 
 
+class Split(abc.ABC):
+  """A split as the pipeline reads it: `open_split` chooses the kind once, for the run."""
+  num_examples: int  # Of the split (this process's slice).
+
+  @abc.abstractmethod
+  def epoch(self, inputs: Input, seed: int, batch_size: int, augment: bool) -> tf.data.Dataset:
+    """One training epoch of uint8 batches of `batch_size` (an incomplete last one dropped), in
+    the order of the epoch's `seed`; with `augment`, a crop op's windows are drawn, else its
+    images are cut as eval cuts them."""
+
+  @abc.abstractmethod
+  def eval_batches(self, batch_size: int, pad: int) -> Iterator[Batch]:
+    """Every example once, in the source's order, then `pad` zero images, in batches of
+    `batch_size` with 'mask' False for the padding."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InMemory(base.Split, Split):
+  """A split decoded once into memory; tf.data shuffles and batches its arrays. A training split
+  with a crop op holds its images before the crop (stage 1), which each epoch cuts one by one."""
+
+  @property
+  def num_examples(self) -> int:
+    return len(self.labels)
+
+  @functools.cached_property
+  def _examples(self) -> tf.data.Dataset:
+    """The arrays as a dataset: built once, as it holds a copy of them."""
+    return tf.data.Dataset.from_tensor_slices({'image': self.images, 'label': self.labels})
+
+  def epoch(self, inputs: Input, seed: int, batch_size: int, augment: bool) -> tf.data.Dataset:
+    examples = self._examples.shuffle(inputs.shuffle_buffer_size, seed=seed,
+                                      reshuffle_each_iteration=False)
+    crop_op = inputs.preprocess.crop_op
+    if crop_op is not None:  # The split holds images before the crop: cut them one by one.
+      examples = (inputs.preprocess.crops(seed).each(examples) if augment
+                  else _mapped(examples, crop_op.eval_op))
+    return examples.batch(batch_size, drop_remainder=True)
+
+  def eval_batches(self, batch_size: int, pad: int) -> Iterator[Batch]:
+    """Views of the arrays (the split is held once); only a padded batch is a copy."""
+    for start in range(0, self.num_examples + pad, batch_size):
+      real = self.labels[start:start + batch_size]
+      batch = {'image': self.images[start:start + batch_size], 'label': real,
+               'mask': np.ones(len(real), np.bool_)}
+      if (missing := batch_size - len(real)):
+        batch = {name: np.concatenate([values, np.zeros((missing, *values.shape[1:]),
+                                                        values.dtype)])
+                 for name, values in batch.items()}
+      yield batch
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchLoaded(InMemory):
+  """A split in memory whose training epochs a torch DataLoader shuffles (fully, from the
+  epoch's seed) and batches; tf.data then maps the batches as for the others. Takes no crop op
+  (`run_spec` refuses one with this backend)."""
+
+  def epoch(self, inputs: Input, seed: int, batch_size: int, augment: bool) -> tf.data.Dataset:
+    from torch.utils import data as torch_data  # pylint: disable=g-import-not-at-top  (optional)
+    import torch  # pylint: disable=g-import-not-at-top
+
+    def collate(examples: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+      images, labels = zip(*examples)
+      return np.stack(images), np.asarray(labels, np.int32)
+
+    loader = torch_data.DataLoader(
+        list(zip(self.images, self.labels)),  # A list is a map-style dataset.
+        batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=collate,
+        generator=torch.Generator().manual_seed(seed))
+    return tf.data.Dataset.from_generator(
+        lambda: ({'image': images, 'label': labels} for images, labels in loader),
+        output_signature={
+            'image': tf.TensorSpec((batch_size, *self.images.shape[1:]), tf.uint8),
+            'label': tf.TensorSpec((batch_size,), tf.int32)})
+
+
+def in_memory(split: base.Split, inputs: Input) -> InMemory:
+  """`split`'s arrays, read for training by the backend `inputs` names."""
+  return (TorchLoaded if inputs.backend == 'torch' else InMemory)(split.images, split.labels)
+
+
+@dataclasses.dataclass(frozen=True)
+class Streamed(Split):
+  """A split read from its source's files on every pass; only tf.data's buffers are in memory."""
+  # shuffle seed (None: the source's order) -> {'image': uint8 image_shape, 'label': int32},
+  # images as eval prepares them.
+  examples: Callable[[int | None], tf.data.Dataset]
+  num_examples: int
+  image_shape: tuple[int, int, int]
+  # -> the decoded examples a training epoch's shuffle holds (`_shuffle_buffer`), worked out
+  # (and warned about) once, by the first shuffle that needs it: eval never shuffles.
+  shuffle_buffer: Callable[[], int]
+  # A training split of a run with a crop op: epoch seed -> the examples shuffled in that
+  # epoch's order, each image cut by the crop op (`_crops`, or `_cached_crops`).
+  cropped: Callable[[int], tf.data.Dataset] | None = None
+
+  def epoch(self, inputs: Input, seed: int, batch_size: int, augment: bool) -> tf.data.Dataset:
+    if augment and self.cropped:  # Shuffled before the crops.
+      examples = self.cropped(seed)
+    else:  # The shuffle buffer holds `shuffle_buffer()` decoded uint8 examples: the memory
+      # that streaming needs, whatever the split's size.
+      examples = self.examples(seed).shuffle(self.shuffle_buffer(), seed=seed)
+    return examples.batch(batch_size, drop_remainder=True)
+
+  def eval_batches(self, batch_size: int, pad: int) -> Iterator[Batch]:
+    real = self.examples(None).map(lambda example: {**example, 'mask': True})
+    padding = tf.data.Dataset.from_tensors({
+        'image': tf.zeros(self.image_shape, tf.uint8), 'label': tf.constant(0, tf.int32),
+        'mask': tf.constant(False)}).repeat(pad)
+    return real.concatenate(padding).batch(batch_size).prefetch(
+        _PREFETCH_EVAL).as_numpy_iterator()
+
+
 def open_split(data: Data, split: base.SplitArg, inputs: Input,
-               preprocess: preprocessing.Preprocessing | None = None
-               ) -> base.Split | Streamed:
+               preprocess: preprocessing.Preprocessing | None = None) -> Split:
   """`split` of the source with its images resized (by `preprocess`, default the run's), in
   memory or streamed, as `inputs.in_memory` says (sources that cannot stream always load into
   memory).
 
-  Without `preprocess`, the training split: with a crop op in the run's preprocessing, a split
-  in memory holds its images before the crop (stage 1 only), which `train_batches` cuts image
-  by image, and a streamed one cuts them as they are decoded (`Streamed.cropped`). Such a split
+  Without `preprocess`, the training split: with a crop op in the run's preprocessing, it holds
+  its images before the crop (stage 1 only), which its epochs cut image by image. Such a split
   whose images vary in size until cut (no image op gives them one size) is streamed: the crop
   takes its window from the image as decoded, which no array of one size holds.
   """
-  source, image_shape = data.source, data.info.image_shape
+  source = data.source
   training_crop = preprocess is None and data.preprocess.crop_op is not None
   preprocess = preprocess or data.preprocess
   num_examples = source.num_examples(split)
-
-  def prepared(examples: tf.data.Dataset, prepare, shape) -> tf.data.Dataset:
-    return examples.map(
-        lambda example: {'image': tf.ensure_shape(prepare(example['image']), shape),
-                         'label': example['label']},
-        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-
-  def resized(examples: tf.data.Dataset) -> tf.data.Dataset:
-    return prepared(examples, preprocess.resize, image_shape)
-
   held_shape = (preprocess.shape_before_crop(source.image_shape) if training_crop
-                else image_shape)
-  if None in held_shape or not _in_memory(inputs, split, num_examples, held_shape):
+                else data.info.image_shape)
+  if None in held_shape or not _keeps_in_memory(inputs, split, num_examples, held_shape):
     logging.info('Streaming split %r of %s (%d examples) from its files%s.', split, source.name,
                  num_examples, ': its crop op cuts images of varying sizes as they are decoded'
                  if None in held_shape else '')
-    shuffle_buffer = functools.cache(functools.partial(
-        _shuffle_buffer, inputs, split, num_examples, math.prod(image_shape)))
-    return Streamed(lambda seed: resized(source.examples(split, seed)), num_examples, image_shape,
-                    shuffle_buffer,
-                    cropped=_cropped(source, split, preprocess, held_shape,
-                                     _decoded_cache(inputs, split, num_examples, image_shape),
-                                     shuffle_buffer)
-                    if training_crop else None)
+    return _streamed(data, split, inputs, preprocess, training_crop, held_shape)
   prepare = preprocess.before_crop if training_crop else preprocess.resize
-  if None in source.image_shape[:2]:  # Images of varying sizes: resized as they are decoded.
-    return base.materialize(prepared(source.examples(split), prepare, held_shape))
+  return in_memory(_loaded(source, split, prepare, held_shape), inputs)
+
+
+def _mapped(examples: tf.data.Dataset, prepare: Callable[[tf.Tensor], tf.Tensor],
+            shape: tuple[int | None, int | None, int] | None = None) -> tf.data.Dataset:
+  """`examples` with `prepare` applied to each image (of `shape`, when given), in order."""
+  def mapped(example):
+    image = prepare(example['image'])
+    return {**example, 'image': image if shape is None else tf.ensure_shape(image, shape)}
+  return examples.map(mapped, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
+def _loaded(source: base.DataSource, split: base.SplitArg,
+            prepare: Callable[[tf.Tensor], tf.Tensor], shape: tuple[int, int, int]
+            ) -> base.Split:
+  """`split` decoded into memory, its images prepared by `prepare` (to `shape`)."""
+  if None in source.image_shape[:2]:  # Images of varying sizes: prepared as they are decoded.
+    return base.materialize(_mapped(source.examples(split), prepare, shape))
   loaded = source.load_split(split)
-  if loaded.images.shape[1:] == held_shape:
+  if loaded.images.shape[1:] == shape:
     return loaded
   images = (tf.data.Dataset.from_tensor_slices(loaded.images).batch(_MAP_BLOCK)
             .map(prepare).as_numpy_iterator())
   return base.Split(images=np.concatenate(list(images)), labels=loaded.labels)
 
 
-def _cropped(source: base.DataSource, split: base.SplitArg,
-             preprocess: preprocessing.Preprocessing,
-             held_shape: tuple[int | None, int | None, int],
-             cache: '_Cache | None',
-             shuffle_buffer: Callable[[], int]) -> Callable[[int], tf.data.Dataset]:
-  """`Streamed.cropped` of `split`: the source cuts the windows as it decodes, unless image ops
-  come before the crop op (then its windows are cut from their images), or unless there is a
-  decoded `cache`: then every epoch's windows are cut from the cached copies, the files decoded
-  only while the first epoch fills it.
+def _streamed(data: Data, split: base.SplitArg, inputs: Input,
+              preprocess: preprocessing.Preprocessing, training_crop: bool,
+              held_shape: tuple[int | None, int | None, int]) -> Streamed:
+  """`split` read from its files on every pass (`Streamed`): with `training_crop`, its
+  epochs' crops too."""
+  source, image_shape = data.source, data.info.image_shape
+  num_examples = source.num_examples(split)
+  shuffle_buffer = functools.cache(functools.partial(
+      _shuffle_buffer, inputs, split, num_examples, math.prod(image_shape)))
+  cropped = None
+  if training_crop and (side := _cache_side(inputs, split, num_examples, image_shape)):
+    cropped = _cached_crops(source, split, num_examples, preprocess, side)
+  elif training_crop:
+    cropped = functools.partial(_crops, source, split, preprocess, held_shape, shuffle_buffer)
+  return Streamed(lambda seed: _mapped(source.examples(split, seed), preprocess.resize,
+                                       image_shape),
+                  num_examples, image_shape, shuffle_buffer, cropped)
+
+
+def _crops(source: base.DataSource, split: base.SplitArg,
+           preprocess: preprocessing.Preprocessing,
+           held_shape: tuple[int | None, int | None, int], shuffle_buffer: Callable[[], int],
+           seed: int) -> tf.data.Dataset:
+  """The epoch of `seed` of a streamed `split`, each image cut by the crop op: the source
+  decodes only each window, unless image ops come before the crop op (then the windows are cut
+  from their images).
 
   The shuffle comes before the crops (each window is drawn from the image's place in the
-  epoch's order): of the cached images, or of the file names where the source shuffles whole
-  splits, holding no pixels. Only a source that shuffles its files' order alone has its crops
-  shuffled again, in a buffer of `shuffle_buffer` crops (a second shuffle of the crops slowed
-  the cached epochs by a quarter: docs/performance.md).
+  epoch's order): of the file names where the source shuffles whole splits, holding no pixels.
+  Only a source that shuffles its files' order alone has its crops shuffled again, in a buffer
+  of `shuffle_buffer` crops.
   """
-  if cache is not None:
-    cached = source.examples(split).map(
-        lambda example: {**example, 'image': _shrunk(preprocess.before_crop(example['image']),
-                                                     cache.side)},
-        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).cache(cache.filename)
-    # The epoch's order comes before the crops: each window is drawn from the image's place.
-    return lambda seed: preprocess.crops(seed).each(
-        cached.shuffle(cache.shuffle_buffer, seed=seed))
+  crops = preprocess.crops(seed)
+  if preprocess.image_ops:
+    examples = crops.each(_mapped(source.examples(split, seed), preprocess.before_crop,
+                                  held_shape))
+  else:
+    examples = _mapped(source.windowed_examples(split, seed, crops.window), crops.op.resize)
+  return (examples if source.SHUFFLES_EXAMPLES
+          else examples.shuffle(shuffle_buffer(), seed=seed))
 
-  def cropped(seed: int) -> tf.data.Dataset:
-    crops = preprocess.crops(seed)
-    if not preprocess.image_ops:
-      examples = source.cropped_examples(split, seed, crops)
-    else:
-      examples = crops.each(source.examples(split, seed).map(
-          lambda example: {**example, 'image': tf.ensure_shape(
-              preprocess.before_crop(example['image']), held_shape)},
-          num_parallel_calls=tf.data.AUTOTUNE, deterministic=True))
-    return (examples if source.SHUFFLES_EXAMPLES
-            else examples.shuffle(shuffle_buffer(), seed=seed))
 
-  return cropped
+def _cached_crops(source: base.DataSource, split: base.SplitArg, num_examples: int,
+                  preprocess: preprocessing.Preprocessing,
+                  side: int) -> Callable[[int], tf.data.Dataset]:
+  """Epoch seed -> the crops of `split`'s decoded cache: its images decoded once (while the
+  first epoch reads them), shrunk to a shorter side of at most `side` and held in memory;
+  every epoch shuffles them all (the buffer holds references to the cached images) and cuts
+  its windows from them."""
+  cached = _mapped(source.examples(split),
+                   lambda image: _shrunk(preprocess.before_crop(image), side)).cache()
+  return lambda seed: preprocess.crops(seed).each(cached.shuffle(num_examples, seed=seed))
 
 
 def _shrunk(image: tf.Tensor, side: int) -> tf.Tensor:
@@ -298,38 +406,20 @@ def _shrunk(image: tf.Tensor, side: int) -> tf.Tensor:
                  lambda: image)
 
 
-class _Cache(NamedTuple):
-  """A decoded cache: tf.data's cache file name ('' in memory), the shorter side of its
-  images, and the shuffle buffer of each epoch's order (perfect in memory, where the buffer
-  holds references to the cached images; on disk, `_shuffle_buffer` images read back)."""
-  filename: str
-  side: int
-  shuffle_buffer: int
-
-
-def _decoded_cache(inputs: Input, split: base.SplitArg, num_examples: int,
-                   image_shape: tuple[int, int, int]) -> _Cache | None:
-  """The decoded cache of a streamed training split, as `inputs.decoded_cache` says, or None.
-  Its size is estimated at 4:3 images (the cached images' sizes are known once decoded)."""
-  if inputs.decoded_cache == 'off':
-    return None
+def _cache_side(inputs: Input, split: base.SplitArg, num_examples: int,
+                image_shape: tuple[int, int, int]) -> int | None:
+  """The shorter side of the decoded cache's images of a streamed training split, or None
+  without a cache (as `inputs.decoded_cache` says). Its size is estimated at 4:3 images (the
+  cached images' sizes are known once decoded)."""
   side = math.ceil(CACHE_SIDE * max(image_shape[:2]))
   size = num_examples * side * math.ceil(side * 4 / 3) * image_shape[2]
-  in_memory = inputs.decoded_cache == 'memory' or (
-      inputs.decoded_cache == 'auto' and inputs.in_memory != 'never'
-      and size <= _memory_budget())
-  if in_memory:
-    filename = ''
-  else:  # tf.data writes the cache while the first epoch reads it; removed at exit.
-    folder = tempfile.mkdtemp(prefix='decoded_cache_')
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    filename = os.path.join(folder, 'images')
+  if inputs.decoded_cache == 'off' or (inputs.decoded_cache == 'auto' and (
+      inputs.in_memory == 'never' or size > _memory_budget())):
+    return None
   logging.info("decoded_cache=%r: split %r decoded once, shorter side at most %d px (about %.0f "
-               'MB as uint8), kept %s; the crops of every epoch are cut from that copy.',
-               inputs.decoded_cache, split, side, size / 2**20,
-               'in memory' if in_memory else f'on disk in {os.path.dirname(filename)}')
-  return _Cache(filename, side, num_examples if in_memory else _shuffle_buffer(
-      inputs, split, num_examples, side * math.ceil(side * 4 / 3) * image_shape[2]))
+               'MB as uint8), kept in memory; the crops of every epoch are cut from that copy.',
+               inputs.decoded_cache, split, side, size / 2**20)
+  return side
 
 
 def _shuffle_buffer(inputs: Input, split: base.SplitArg, num_examples: int,
@@ -353,8 +443,10 @@ def _memory_budget() -> float:
   return MEMORY_SHARE * os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
 
 
-def _in_memory(inputs: Input, split: base.SplitArg, num_examples: int,
-               image_shape: tuple[int, int, int]) -> bool:
+def _keeps_in_memory(inputs: Input, split: base.SplitArg, num_examples: int,
+                     image_shape: tuple[int, int, int]) -> bool:
+  """Whether `split` is held in memory, as `inputs.in_memory` says: with 'auto', when its
+  uint8 images of `image_shape` fit `MEMORY_SHARE` of the memory (or it cannot stream)."""
   if inputs.in_memory != 'auto' or not inputs.can_stream or inputs.backend == 'torch':
     return inputs.in_memory != 'never'
   size = num_examples * math.prod(image_shape)  # uint8: a byte a value.
@@ -380,7 +472,7 @@ def log_class_counts(labels: np.ndarray, class_names: tuple[str, ...], split: st
                     'accuracy on them.', split, _FEW_EXAMPLES, ', '.join(rare))
 
 
-def train_batches(split: base.Split | Streamed, data: Data, inputs: Input, batch_size: int,
+def train_batches(split: Split, data: Data, inputs: Input, batch_size: int,
                   start_epoch: int = 0, start_step: int = 0,
                   augment: bool = True) -> Iterator[Batch]:
   """Yields training batches from batch `start_step` of `start_epoch` to the end of the run.
@@ -393,88 +485,42 @@ def train_batches(split: base.Split | Streamed, data: Data, inputs: Input, batch
   step gives the same batches as the uninterrupted run. Without `augment`, the same examples
   in the same order come as eval sees images: no random ops, no mixing.
   """
-  epochs = range(start_epoch, inputs.num_epochs)
-  crop_op = data.preprocess.crop_op
-  if inputs.backend == 'torch':
-    epoch_batches = functools.partial(_torch_batches, split, inputs.seed, batch_size)
-  elif isinstance(split, Streamed):
-    def epoch_batches(epoch):
-      seed = epoch_seed(inputs.seed, epoch)
-      if augment and split.cropped:  # Shuffled before the crops.
-        examples = split.cropped(seed)
-      else:  # The shuffle buffer holds `split.shuffle_buffer()` decoded uint8 examples: the
-        # memory that streaming needs, whatever the split's size.
-        examples = split.examples(seed).shuffle(split.shuffle_buffer(), seed=seed)
-      return examples.batch(batch_size, drop_remainder=True)
-  else:
-    examples = tf.data.Dataset.from_tensor_slices({'image': split.images, 'label': split.labels})
-    def epoch_batches(epoch):
-      seed = epoch_seed(inputs.seed, epoch)
-      shuffled = examples.shuffle(inputs.shuffle_buffer_size, seed=seed,
-                                  reshuffle_each_iteration=False)
-      if crop_op is not None:  # The split holds images before the crop: cut them one by one.
-        shuffled = data.preprocess.crops(seed).each(shuffled) if augment else shuffled.map(
-            lambda example: {**example, 'image': crop_op.eval_op(example['image'])},
-            num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-      return shuffled.batch(batch_size, drop_remainder=True)
-  for epoch in epochs:
+  for epoch in range(start_epoch, inputs.num_epochs):
     seed = epoch_seed(inputs.seed, epoch)
-
-    def prepare(index: tf.Tensor, batch: dict[str, tf.Tensor], seed=seed, epoch=epoch) -> Batch:
-      if not augment:
-        return batch
-      seeds = tf.stack([tf.constant(seed, tf.int64), index])
-      prepared = {'image': data.preprocess.train_batch(batch['image'], seeds),
-                  'label': batch['label']}
-      if not inputs.mixes:
-        return prepared
-      prepared['image'] = data.preprocess.unit(prepared['image'])  # Mixup blends in float32.
-      if epoch < inputs.num_epochs - inputs.unmixed_last_epochs:
-        prepared['image'], prepared['target'] = mix.mix(
-            prepared['image'], batch['label'], data.info.num_classes,
-            tf.random.experimental.stateless_fold_in(seeds, 1), inputs.mixup_alpha,
-            inputs.cutmix_alpha)
-      else:  # One-hot targets: the batches keep their structure (no recompile).
-        prepared['target'] = tf.one_hot(batch['label'], data.info.num_classes)
-      return prepared
-
+    batches = split.epoch(inputs, seed, batch_size, augment).enumerate()
     # Batches are numbered before the ones already trained on are skipped, so each batch's
     # augmentation seed (config.seed, epoch, batch number) is the same in a resumed run.
-    batches = (epoch_batches(epoch).enumerate()
-               .skip(start_step if epoch == start_epoch else 0)
-               .map(prepare, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True))
-    yield from _numpy_batches(batches)
+    prepare = (functools.partial(_augmented, data, inputs, epoch) if augment
+               else lambda index, batch: batch)
+    batches = batches.skip(start_step if epoch == start_epoch else 0).map(
+        prepare, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    # tf.data's autotuning is off: with it on, reaching the end of the last epoch sometimes took
+    # as long as the whole run had taken (about 1 run in 3 here, TF 2.21: a `main.py` that hung
+    # after its last checkpoint). Two batches ahead is all the train loop consumes.
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    yield from batches.prefetch(_PREFETCH_BATCHES).with_options(options).as_numpy_iterator()
 
 
-def _torch_batches(split: base.Split, seed: int, batch_size: int,
-                   epoch: int) -> tf.data.Dataset:
-  """One epoch of uint8 batches from a torch DataLoader (fully shuffled from the epoch's seed),
-  as a tf.data dataset: the classic "PyTorch loads, JAX computes" pipeline."""
-  from torch.utils import data as torch_data  # pylint: disable=g-import-not-at-top  (optional)
-  import torch  # pylint: disable=g-import-not-at-top
-
-  def collate(examples: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
-    images, labels = zip(*examples)
-    return np.stack(images), np.asarray(labels, np.int32)
-
-  examples = list(zip(split.images, split.labels))  # A list is a map-style dataset.
-  loader = torch_data.DataLoader(
-      examples, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=collate,
-      generator=torch.Generator().manual_seed(epoch_seed(seed, epoch)))
-  shape = (batch_size, *split.images.shape[1:])
-  return tf.data.Dataset.from_generator(
-      lambda: ({'image': images, 'label': labels} for images, labels in loader),
-      output_signature={'image': tf.TensorSpec(shape, tf.uint8),
-                        'label': tf.TensorSpec((batch_size,), tf.int32)})
-
-
-def _numpy_batches(batches: tf.data.Dataset) -> Iterator[Batch]:
-  # tf.data's autotuning is off: with it on, reaching the end of the last epoch sometimes took
-  # as long as the whole run had taken (about 1 run in 3 here, TF 2.21: a `main.py` that hung
-  # after its last checkpoint). Two batches ahead is all the train loop consumes.
-  options = tf.data.Options()
-  options.autotune.enabled = TF_DATA_AUTOTUNE
-  yield from batches.prefetch(_PREFETCH_BATCHES).with_options(options).as_numpy_iterator()
+def _augmented(data: Data, inputs: Input, epoch: int, index: tf.Tensor,
+               batch: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+  """Batch `index` of `epoch` through the random ops and, in the mixed epochs, Mixup/CutMix
+  (soft targets; one-hot in the last `inputs.unmixed_last_epochs`, so that the batches keep
+  their structure and nothing recompiles)."""
+  seeds = tf.stack([tf.constant(epoch_seed(inputs.seed, epoch), tf.int64), index])
+  augmented = {'image': data.preprocess.train_batch(batch['image'], seeds),
+               'label': batch['label']}
+  if not inputs.mixes:
+    return augmented
+  augmented['image'] = data.preprocess.unit(augmented['image'])  # Mixup blends in float32.
+  if epoch < inputs.num_epochs - inputs.unmixed_last_epochs:
+    augmented['image'], augmented['target'] = mix.mix(
+        augmented['image'], batch['label'], data.info.num_classes,
+        tf.random.experimental.stateless_fold_in(seeds, 1), inputs.mixup_alpha,
+        inputs.cutmix_alpha)
+  else:
+    augmented['target'] = tf.one_hot(batch['label'], data.info.num_classes)
+  return augmented
 
 
 def open_eval_batches(data: Data, inputs: Input, split: str, num_examples: int,
@@ -493,7 +539,7 @@ def open_eval_batches(data: Data, inputs: Input, split: str, num_examples: int,
                       -(-largest_slice // local_batch), place)
 
 
-def eval_batches(split: base.Split | Streamed, batch_size: int, num_batches: int | None = None,
+def eval_batches(split: Split, batch_size: int, num_batches: int | None = None,
                  place: Callable[[Batch], Batch] = lambda batch: batch) -> 'EvalBatches':
   """The whole split as equal-sized batches, each example exactly once, prepared for eval.
 
@@ -502,45 +548,19 @@ def eval_batches(split: base.Split | Streamed, batch_size: int, num_batches: int
   further, to that many batches. `place` puts each batch where it is used (e.g. sharded on the
   devices), one at a time.
   """
-  num_examples = split.num_examples if isinstance(split, Streamed) else len(split.labels)
-  pad = (num_batches * batch_size - num_examples if num_batches is not None
-         else -num_examples % batch_size)
+  pad = (num_batches * batch_size - split.num_examples if num_batches is not None
+         else -split.num_examples % batch_size)
   return EvalBatches(split, batch_size, pad, place)
 
 
 class EvalBatches:
-  """The eval batches of a split, an iterable: an in-memory split's batches are views of its
-  arrays (the split is held once; only a padded batch is a copy), placed one by one on every
-  pass; a streamed split is read again on every pass."""
+  """The eval batches of a split, an iterable: `Split.eval_batches`, read again and placed one
+  by one on every pass."""
 
-  def __init__(self, split: base.Split | Streamed, batch_size: int, pad: int,
-               place: Callable[[Batch], Batch]):
+  def __init__(self, split: Split, batch_size: int, pad: int, place: Callable[[Batch], Batch]):
     self._split, self._place = split, place
     self._batch_size, self._pad = batch_size, pad
 
-  def _streamed_batches(self) -> Iterator[Batch]:
-    real = self._split.examples(None).map(lambda example: {**example, 'mask': True})
-    padding = tf.data.Dataset.from_tensors({
-        'image': tf.zeros(self._split.image_shape, tf.uint8), 'label': tf.constant(0, tf.int32),
-        'mask': tf.constant(False)}).repeat(self._pad)
-    return real.concatenate(padding).batch(self._batch_size).prefetch(
-        _PREFETCH_EVAL).as_numpy_iterator()
-
-  def _array_batches(self) -> Iterator[Batch]:
-    images, labels = self._split.images, self._split.labels
-    num_examples, size = len(labels), self._batch_size
-    for start in range(0, num_examples + self._pad, size):
-      real = labels[start:start + size]
-      batch = {'image': images[start:start + size], 'label': real,
-               'mask': np.ones(len(real), np.bool_)}
-      if (missing := size - len(batch['mask'])):
-        batch = {name: np.concatenate([values, np.zeros((missing, *values.shape[1:]),
-                                                        values.dtype)])
-                 for name, values in batch.items()}
-      yield batch
-
   def __iter__(self) -> Iterator[Batch]:
-    batches = (self._streamed_batches() if isinstance(self._split, Streamed)
-               else self._array_batches())
-    for batch in batches:
+    for batch in self._split.eval_batches(self._batch_size, self._pad):
       yield self._place(batch)

@@ -56,8 +56,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.in_memory = 'auto'
   # A streamed training split with a crop op (photos of varying sizes): decoded once, shrunk to
   # a shorter side of 1.15 x the input size, and cropped from that copy in every epoch:
-  # 'memory', 'disk' (a temporary directory), 'auto' (memory when it fits, as in_memory) or
-  # 'off' (every epoch decodes the files again).
+  # 'memory', 'auto' (when it fits in memory, as in_memory does) or 'off' (every epoch decodes
+  # the files again).
   config.decoded_cache = 'auto'
   config.shuffle_buffer_size = 60_000  # Shuffle buffer; >= the split's size = a perfect shuffle.
   config.input_backend = 'tf'  # Training batches from 'tf' (tf.data) or 'torch' (DataLoader).

@@ -16,7 +16,6 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from core import errors
-import preprocessing
 
 SplitArg = tfds.typing.SplitArg  # A split spec such as 'train[:90%]', or one process's slice.
 _MATERIALIZE_BLOCK = 1024  # Examples per tf.data batch when a streamed split is read into memory.
@@ -83,12 +82,17 @@ class DataSource(abc.ABC):
     """
     raise NotImplementedError(f'{type(self).__name__} reads splits into memory only.')
 
-  def cropped_examples(self, split: SplitArg, shuffle_seed: int,
-                       crops: preprocessing.EpochCrops) -> tf.data.Dataset:
-    """`examples` with each image cut by `crops` (a random window, resized), its window drawn
-    from its place in the order of `shuffle_seed`; sources that can decode only the window
-    do."""
-    return crops.each(self.examples(split, shuffle_seed))
+  def windowed_examples(self, split: SplitArg, shuffle_seed: int,
+                        window: Callable[[tf.Tensor, tf.Tensor], tf.Tensor]) -> tf.data.Dataset:
+    """`examples` with each image cut to `window(size, index)`: the window [top, left, height,
+    width] of an image of `size` (height, width) at `index` in the order of `shuffle_seed`.
+    Cut here from the decoded image; a source that can decode only the window does."""
+    def cut(index: tf.Tensor, example: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+      top, left, height, width = tf.unstack(window(tf.shape(example['image'])[:2], index))
+      return {**example, 'image': tf.slice(example['image'], [top, left, 0],
+                                           [height, width, -1])}
+    return self.examples(split, shuffle_seed).enumerate().map(
+        cut, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
   def split_size(self, key: str, split: str) -> int:
     """The number of examples of `split`, the value of config.`key`; a `ConfigError` naming

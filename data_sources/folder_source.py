@@ -18,6 +18,7 @@ and needs the channel count given up front.
 """
 
 import collections
+from collections.abc import Callable
 import hashlib
 import os
 
@@ -28,7 +29,6 @@ from core import errors
 import data_sources
 from data_sources import base
 from data_sources import image_files
-import preprocessing
 
 
 def _visible_entries(folder: str) -> list[str]:
@@ -75,15 +75,15 @@ class ImageFilesSource(base.RangeSource):
   def examples(self, split: base.SplitArg, shuffle_seed: int | None = None) -> tf.data.Dataset:
     return self._decoded(self._split_files(split), shuffle_seed)
 
-  def cropped_examples(self, split: base.SplitArg, shuffle_seed: int,
-                       crops: preprocessing.EpochCrops) -> tf.data.Dataset:
-    """`examples` cut by `crops` as they are decoded: each window is drawn from the image's
-    size in its header, and only the window of a JPEG is decoded."""
+  def windowed_examples(self, split: base.SplitArg, shuffle_seed: int,
+                        window: Callable[[tf.Tensor, tf.Tensor], tf.Tensor]) -> tf.data.Dataset:
+    """`examples` cut to their windows as they are decoded: each window is drawn from the
+    image's size in its header, and only the window of a JPEG is decoded."""
     return self._files_dataset(self._split_files(split), shuffle_seed).enumerate().map(
         lambda index, file: {
-            'image': crops.op.resize(image_files.decode_window(
-                file['path'], self._channels, crops.window(file['size'], index),
-                file['orientation'], file['alpha'])),
+            'image': image_files.decode_window(
+                file['path'], self._channels, window(file['size'], index),
+                file['orientation'], file['alpha']),
             'label': tf.cast(file['label'], tf.int32)},
         num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 

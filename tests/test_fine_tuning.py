@@ -131,8 +131,8 @@ def test_mixed_batches_carry_soft_targets_and_train():
   config.update(mixup_alpha=0.2, cutmix_alpha=1.0, batch_size=8, num_epochs=1,
                 shuffle_buffer_size=8)
   rng = np.random.default_rng(0)
-  split = input_pipeline.base.Split(images=rng.integers(0, 256, (32, 28, 28, 1), np.uint8),
-                                    labels=rng.integers(0, 10, 32).astype(np.int32))
+  split = input_pipeline.InMemory(images=rng.integers(0, 256, (32, 28, 28, 1), np.uint8),
+                                 labels=rng.integers(0, 10, 32).astype(np.int32))
   data = input_pipeline.Data(None, preprocessing.parse(''), INFO)
   batch = next(input_pipeline.train_batches(split, data, run_spec.resolve(config).input, 8))
   assert batch['target'].shape == (8, 10)
@@ -161,8 +161,8 @@ def test_the_last_epochs_train_on_unmixed_images_with_one_hot_targets():
   config.update(mixup_alpha=1.0, cutmix_alpha=1.0, batch_size=8, num_epochs=3,
                 unmixed_last_epochs=1, shuffle_buffer_size=32, preprocess='translate(2)')
   rng = np.random.default_rng(0)
-  split = input_pipeline.base.Split(images=rng.integers(0, 256, (16, 28, 28, 1), np.uint8),
-                                    labels=rng.integers(0, 10, 16).astype(np.int32))
+  split = input_pipeline.InMemory(images=rng.integers(0, 256, (16, 28, 28, 1), np.uint8),
+                                 labels=rng.integers(0, 10, 16).astype(np.int32))
   data = input_pipeline.Data(None, preprocessing.parse(config.preprocess), INFO)
   batches = list(input_pipeline.train_batches(split, data, run_spec.resolve(config).input, 8))
   config.update(mixup_alpha=0.0, cutmix_alpha=0.0)

@@ -31,7 +31,7 @@ def _split(num_examples, image_shape=(6, 5, 1), seed=0):
   rng = np.random.default_rng(seed)
   images = rng.integers(0, 256, (num_examples, *image_shape), dtype=np.uint8)
   # Labels double as example ids so tests can tell which examples were seen.
-  return base.Split(images=images, labels=np.arange(num_examples, dtype=np.int32))
+  return input_pipeline.InMemory(images=images, labels=np.arange(num_examples, dtype=np.int32))
 
 
 def _config(**overrides):
@@ -112,8 +112,8 @@ def test_start_epoch_continues_the_same_order():
 def test_mid_epoch_start_step_gives_the_remaining_batches(backend):
   if backend == 'torch':
     requires_extras('torch')
-  split = _split(100)
   config = _config(num_epochs=3, input_backend=backend)
+  split = input_pipeline.in_memory(_split(100), run_spec.resolve(config).input)
   full = _batches(split, config)  # 12 batches per epoch.
   resumed = _batches(split, config, start_epoch=1, start_step=6)
   assert len(resumed) == len(full) - 18
@@ -272,16 +272,15 @@ def test_a_streamed_run_trains_evaluates_and_draws_eval_images(tfds_data_dir, tm
   assert in_memory['eval/loss'] == pytest.approx(metrics['eval/loss'], rel=1e-5)
 
 
-@pytest.mark.parametrize('cache', ['memory', 'disk'])
-def test_decoded_cache_serves_later_epochs_and_resumes_exactly(tmp_path, cache):
-  """With a decoded cache (in memory or on disk), epochs after the first read no file (the
-  folder is gone by then), and a run resumed in epoch 1 (its cache filled anew) gives the
-  uninterrupted run's batches."""
+def test_decoded_cache_serves_later_epochs_and_resumes_exactly(tmp_path):
+  """With a decoded cache, epochs after the first read no file (the folder is gone by then),
+  and a run resumed in epoch 1 (its cache filled anew) gives the uninterrupted run's
+  batches."""
   root = str(tmp_path / 'photos')
   image_folders.make_shapes_folder(root, {'train': 6}, image_sizes=(20, 40), corrupt=False)
   config = _config(data_source='folder', dataset=root, train_split='train', eval_split='train',
                    batch_size=4, num_epochs=2, shuffle_buffer_size=8,
-                   preprocess='random_resized_crop(16)|flip_lr', decoded_cache=cache)
+                   preprocess='random_resized_crop(16)|flip_lr', decoded_cache='memory')
   run = run_spec.resolve(config)
   data = input_pipeline.open_data(run.input, {})
   split = input_pipeline.open_split(data, 'train', run.input)
@@ -299,26 +298,26 @@ def test_decoded_cache_serves_later_epochs_and_resumes_exactly(tmp_path, cache):
 
 
 def test_streamed_shuffle_buffers_hold_what_fits_in_memory(tmp_path, monkeypatch, caplog):
-  """A streamed split's shuffle buffer (and the decoded cache's on disk) holds
-  config.shuffle_buffer_size examples, or as many as fit MEMORY_SHARE of the memory, with a
-  warning naming the setting; the run still trains."""
+  """A streamed split's shuffle buffer holds config.shuffle_buffer_size examples, or as many
+  as fit MEMORY_SHARE of the memory, with a warning naming the setting; the run still
+  trains."""
   root = str(tmp_path / 'photos')
   image_folders.make_shapes_folder(root, {'train': 6}, image_sizes=(20, 40), corrupt=False)
   config = _config(data_source='folder', dataset=root, train_split='train', eval_split='train',
                    batch_size=4, num_epochs=1, shuffle_buffer_size=12, in_memory='never',
-                   preprocess='random_resized_crop(16)|flip_lr', decoded_cache='disk')
+                   preprocess='random_resized_crop(16)|flip_lr', decoded_cache='off')
   run = run_spec.resolve(config)
   data = input_pipeline.open_data(run.input, {})
   assert input_pipeline.open_split(data, 'train', run.input).shuffle_buffer() == 12
-  # Room for 5 crops of 16x16x3 (768 bytes each), and for 3 cached images of 19x26x3.
+  # Room for 5 crops of 16x16x3 (768 bytes each).
   monkeypatch.setattr(input_pipeline, '_memory_budget', lambda: 5 * 768 + 100)
   warnings = lambda: [message for message in caplog.messages
                       if message.startswith('config.shuffle_buffer_size=12')]
   with caplog.at_level(logging.WARNING, logger='absl'):
     split = input_pipeline.open_split(data, 'train', run.input)
-    assert len(warnings()) == 1  # The disk cache's buffer; the crops' when first needed:
+    assert not warnings()  # Worked out when first needed, once:
     assert split.shuffle_buffer() == split.shuffle_buffer() == 5
-  assert len(warnings()) == 2 and '1482-byte' in warnings()[0]  # Once each.
+  assert len(warnings()) == 1 and '768-byte' in warnings()[0]
   batches = list(input_pipeline.train_batches(split, data, run.input, 4))
   assert len(batches) == 4 and batches[0]['image'].shape == (4, 16, 16, 3)
 
