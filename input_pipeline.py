@@ -2,8 +2,8 @@
 
 `Input` is how a run reads its data, resolved from the config by `training/run_spec.py`.
 `open_data` opens its source and checks the splits: the `DatasetInfo` the model is built for.
-`open_split` chooses, once, how a split is read, as `Input` says: one of three `Split`s, each
-giving a training epoch's batches (`Split.epoch`) and the eval batches (`Split.eval_batches`):
+`open_split` chooses, once, how a split is read, as `Input` says: one of three `OpenedSplit`s,
+each giving a training epoch's batches (`epoch`) and the eval batches (`eval_batches`):
 
 - `InMemory`: decoded once into NumPy arrays; tf.data shuffles and batches them.
 - `TorchLoaded` (`config.input_backend='torch'`): the same arrays, shuffled and batched by a
@@ -20,7 +20,7 @@ image-file source decodes only that window of a JPEG. With the decoded cache
 (`Input.decoded_cache`), a streamed split's images are decoded once, at `CACHE_SIDE` x the input
 size, and every later epoch cuts its windows from that copy.
 
-`train_batches` is the one training loop over any `Split`: each epoch's batches are numbered,
+`train_batches` is the one training loop over any `OpenedSplit`: each epoch's batches are numbered,
 those already trained on skipped, and each mapped through the preprocessing's random ops
 (vectorised over the batch) and Mixup/CutMix, seeded by (seed, epoch, batch number), so a run
 can restart at any step and see the same data. Batches leave the host as uint8 (unless a random
@@ -181,7 +181,7 @@ def process_split(split: str, drop_remainder: bool = False) -> base.SplitArg:
   return tfds.split_for_jax_process(split, drop_remainder=drop_remainder)
 
 
-class Split(abc.ABC):
+class OpenedSplit(abc.ABC):
   """A split as the pipeline reads it: `open_split` chooses the kind once, for the run."""
   num_examples: int  # Of the split (this process's slice).
 
@@ -198,7 +198,7 @@ class Split(abc.ABC):
 
 
 @dataclasses.dataclass(frozen=True)
-class InMemory(base.Split, Split):
+class InMemory(base.Split, OpenedSplit):
   """A split decoded once into memory; tf.data shuffles and batches its arrays. A training split
   with a crop op holds its images before the crop (stage 1), which each epoch cuts one by one."""
 
@@ -264,7 +264,7 @@ def in_memory(split: base.Split, inputs: Input) -> InMemory:
 
 
 @dataclasses.dataclass(frozen=True)
-class Streamed(Split):
+class Streamed(OpenedSplit):
   """A split read from its source's files on every pass; only tf.data's buffers are in memory."""
   # shuffle seed (None: the source's order) -> {'image': uint8 image_shape, 'label': int32},
   # images as eval prepares them.
@@ -296,7 +296,7 @@ class Streamed(Split):
 
 
 def open_split(data: Data, split: base.SplitArg, inputs: Input,
-               preprocess: preprocessing.Preprocessing | None = None) -> Split:
+               preprocess: preprocessing.Preprocessing | None = None) -> OpenedSplit:
   """`split` of the source with its images resized (by `preprocess`, default the run's), in
   memory or streamed, as `inputs.in_memory` says (sources that cannot stream always load into
   memory).
@@ -472,7 +472,7 @@ def log_class_counts(labels: np.ndarray, class_names: tuple[str, ...], split: st
                     'accuracy on them.', split, _FEW_EXAMPLES, ', '.join(rare))
 
 
-def train_batches(split: Split, data: Data, inputs: Input, batch_size: int,
+def train_batches(split: OpenedSplit, data: Data, inputs: Input, batch_size: int,
                   start_epoch: int = 0, start_step: int = 0,
                   augment: bool = True) -> Iterator[Batch]:
   """Yields training batches from batch `start_step` of `start_epoch` to the end of the run.
@@ -486,14 +486,13 @@ def train_batches(split: Split, data: Data, inputs: Input, batch_size: int,
   in the same order come as eval sees images: no random ops, no mixing.
   """
   for epoch in range(start_epoch, inputs.num_epochs):
-    seed = epoch_seed(inputs.seed, epoch)
-    batches = split.epoch(inputs, seed, batch_size, augment).enumerate()
+    prepare = (functools.partial(_augmented, inputs, data.info, epoch) if augment
+               else lambda index, batch: batch)
     # Batches are numbered before the ones already trained on are skipped, so each batch's
     # augmentation seed (config.seed, epoch, batch number) is the same in a resumed run.
-    prepare = (functools.partial(_augmented, data, inputs, epoch) if augment
-               else lambda index, batch: batch)
-    batches = batches.skip(start_step if epoch == start_epoch else 0).map(
-        prepare, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    batches = (split.epoch(inputs, epoch_seed(inputs.seed, epoch), batch_size, augment)
+               .enumerate().skip(start_step if epoch == start_epoch else 0)
+               .map(prepare, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True))
     # tf.data's autotuning is off: with it on, reaching the end of the last epoch sometimes took
     # as long as the whole run had taken (about 1 run in 3 here, TF 2.21: a `main.py` that hung
     # after its last checkpoint). Two batches ahead is all the train loop consumes.
@@ -502,24 +501,24 @@ def train_batches(split: Split, data: Data, inputs: Input, batch_size: int,
     yield from batches.prefetch(_PREFETCH_BATCHES).with_options(options).as_numpy_iterator()
 
 
-def _augmented(data: Data, inputs: Input, epoch: int, index: tf.Tensor,
+def _augmented(inputs: Input, info: base.DatasetInfo, epoch: int, index: tf.Tensor,
                batch: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
   """Batch `index` of `epoch` through the random ops and, in the mixed epochs, Mixup/CutMix
   (soft targets; one-hot in the last `inputs.unmixed_last_epochs`, so that the batches keep
   their structure and nothing recompiles)."""
   seeds = tf.stack([tf.constant(epoch_seed(inputs.seed, epoch), tf.int64), index])
-  augmented = {'image': data.preprocess.train_batch(batch['image'], seeds),
+  augmented = {'image': inputs.preprocess.train_batch(batch['image'], seeds),
                'label': batch['label']}
   if not inputs.mixes:
     return augmented
-  augmented['image'] = data.preprocess.unit(augmented['image'])  # Mixup blends in float32.
+  augmented['image'] = inputs.preprocess.unit(augmented['image'])  # Mixup blends in float32.
   if epoch < inputs.num_epochs - inputs.unmixed_last_epochs:
     augmented['image'], augmented['target'] = mix.mix(
-        augmented['image'], batch['label'], data.info.num_classes,
+        augmented['image'], batch['label'], info.num_classes,
         tf.random.experimental.stateless_fold_in(seeds, 1), inputs.mixup_alpha,
         inputs.cutmix_alpha)
   else:
-    augmented['target'] = tf.one_hot(batch['label'], data.info.num_classes)
+    augmented['target'] = tf.one_hot(batch['label'], info.num_classes)
   return augmented
 
 
@@ -539,7 +538,7 @@ def open_eval_batches(data: Data, inputs: Input, split: str, num_examples: int,
                       -(-largest_slice // local_batch), place)
 
 
-def eval_batches(split: Split, batch_size: int, num_batches: int | None = None,
+def eval_batches(split: OpenedSplit, batch_size: int, num_batches: int | None = None,
                  place: Callable[[Batch], Batch] = lambda batch: batch) -> 'EvalBatches':
   """The whole split as equal-sized batches, each example exactly once, prepared for eval.
 
@@ -554,10 +553,11 @@ def eval_batches(split: Split, batch_size: int, num_batches: int | None = None,
 
 
 class EvalBatches:
-  """The eval batches of a split, an iterable: `Split.eval_batches`, read again and placed one
+  """The eval batches of a split, an iterable: `OpenedSplit.eval_batches`, read again and placed one
   by one on every pass."""
 
-  def __init__(self, split: Split, batch_size: int, pad: int, place: Callable[[Batch], Batch]):
+  def __init__(self, split: OpenedSplit, batch_size: int, pad: int,
+               place: Callable[[Batch], Batch]):
     self._split, self._place = split, place
     self._batch_size, self._pad = batch_size, pad
 
