@@ -32,6 +32,7 @@ _M_ARENA_MAX = -8
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # Libraries whose INFO lines, through absl's logging, are shown: clu's parameter overview.
 _SHOWN_LIBRARIES = (f'{os.sep}clu{os.sep}',)
+_ORBAX = f'{os.sep}orbax{os.sep}'  # In the path of Orbax's source files.
 
 
 def start(verbose: bool = False) -> bool:
@@ -48,7 +49,11 @@ def start(verbose: bool = False) -> bool:
 
 
 def quiet_libraries(verbose: bool = False) -> None:
-  """Keeps the libraries' own Python INFO lines out of the log unless `verbose`."""
+  """Configures the libraries' logging, once at start-up: Orbax's reports of failures that reach
+  the app as exceptions (reported there once, in one line) are dropped, and, unless `verbose`,
+  the libraries' own Python INFO lines."""
+  python_logging.getLogger('absl').addFilter(_not_reported_by_the_app)  # Orbax logs with absl.
+  python_logging.getLogger('asyncio').addFilter(_not_reported_by_the_app)
   if verbose:
     return
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (after start)
@@ -56,6 +61,30 @@ def quiet_libraries(verbose: bool = False) -> None:
   tfds.disable_progress_bar()
   logging.get_absl_handler().addFilter(_app_or_warning)
   python_logging.getLogger('tensorflow').setLevel(python_logging.WARNING)
+
+
+def _not_reported_by_the_app(record: python_logging.LogRecord) -> bool:
+  """A logging filter that drops what Orbax reports of a failure the app reports itself.
+
+  Orbax logs the traceback of each of its threads that fails, then raises the same error to
+  the caller, which the app reports once. A failed read or write also leaves asyncio tasks of
+  Orbax whose exception nobody retrieves: asyncio logs each with its traceback when it is
+  collected, at any later moment. And Orbax warns at each check of the preemption sync point,
+  3-4 times per process, where the run's last line says where it saved and why it stopped.
+  """
+  if _ORBAX in record.pathname:
+    return not (record.exc_info or 'Reached preemption sync point' in record.getMessage())
+  return not (record.name == 'asyncio' and record.exc_info
+              and _raised_in_orbax(record.exc_info[2]))
+
+
+def _raised_in_orbax(trace) -> bool:
+  """Whether a traceback passes through Orbax's code."""
+  while trace is not None:
+    if _ORBAX in trace.tb_frame.f_code.co_filename:
+      return True
+    trace = trace.tb_next
+  return False
 
 
 def _app_or_warning(record: python_logging.LogRecord) -> bool:

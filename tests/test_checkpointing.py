@@ -6,6 +6,7 @@ evaluates it on the first 1,000 test images after each epoch (all 10,000 cost mo
 training steps of 128: 10,000 forward passes against about 3 x 1,280).
 """
 
+import json
 import os
 import re
 import shutil
@@ -151,7 +152,8 @@ def test_nonfinite_loss_halts_and_keeps_the_checkpoints(reference, tfds_data_dir
   for step, state in before.items():
     for name, value in saved(workdir, step)[1].items():
       np.testing.assert_array_equal(value, state[name], err_msg=f'step {step}: {name}')
-  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['15', '18', '20']
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == [
+      '15', '18', '20', checkpointing.RECORD_FILE]
 
 
 @pytest.mark.slow
@@ -229,3 +231,53 @@ def test_an_old_layout_is_refused_with_one_line(tmp_path):
   with pytest.raises(errors.CheckpointError) as error:
     checkpointing.Checkpoints(str(tmp_path)).restore_newest(state, move_aside=True)
   assert 'earlier version' in str(error.value)
+
+
+def _files(directory):
+  """{path: modification time} of every file under `directory`."""
+  return {os.path.join(root, name): os.stat(os.path.join(root, name)).st_mtime_ns
+          for root, _, names in os.walk(directory) for name in names}
+
+
+def test_what_is_known_after_a_save_is_recorded_beside_the_checkpoint_not_in_it(tmp_path):
+  state, _ = create(model='mlp')
+  checkpoints = checkpointing.Checkpoints(str(tmp_path), 'eval/accuracy', max_to_keep=1)
+  progress = {'epoch': 1, 'step_in_epoch': 0, 'steps_per_epoch': 10, 'hooks': {}}
+  checkpoints.save(10, state, progress)
+  saved_files = _files(os.path.join(checkpoints.directory, '10'))
+  checkpoints.record(10, {**progress, 'hooks': {'early_stopping': {'waited': 0}}},
+                     {'eval/accuracy': 0.9})
+  checkpoints.save(20, state, {**progress, 'epoch': 2})
+  checkpoints.record(20, {**progress, 'epoch': 2}, {'eval/accuracy': 0.8})
+  checkpoints.save(30, state, {**progress, 'epoch': 3})
+  checkpoints.close()
+  assert _files(os.path.join(checkpoints.directory, '10')) == saved_files  # Not written to.
+  # The newest (max_to_keep=1) and the best; the records of the steps kept.
+  assert checkpoints.all_steps() == [10, 30]
+  with open(os.path.join(checkpoints.directory, checkpointing.RECORD_FILE)) as file:
+    assert json.load(file)['10']['metrics'] == {'eval/accuracy': 0.9}
+  reopened = checkpointing.Checkpoints(str(tmp_path), 'eval/accuracy')
+  assert reopened.best_step() == 10
+  assert reopened.latest_progress()['epoch'] == 3
+  assert reopened.restore_newest(state, move_aside=True)[0] == 30
+  assert reopened.restore(state, '10') == 10
+  reopened.close()
+
+
+def test_checkpoints_of_the_previous_version_are_read_with_their_metrics(tmp_path):
+  """It kept the eval metrics in the step, as Orbax's metrics item."""
+  state, _ = create(model='mlp')
+  manager = ocp.CheckpointManager(
+      os.path.join(tmp_path, checkpointing.CHECKPOINT_DIR),
+      options=ocp.CheckpointManagerOptions(best_fn=lambda metrics: metrics['eval/accuracy']),
+      item_handlers={'state': ocp.StandardCheckpointHandler(),
+                     'progress': ocp.JsonCheckpointHandler()})
+  for step, accuracy in ((10, 0.9), (20, 0.8)):
+    manager.save(step, metrics={'eval/accuracy': accuracy}, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(nnx.state(state)),
+        progress=ocp.args.JsonSave({'epoch': step // 10, 'layout': checkpointing.LAYOUT})))
+  manager.close()
+  checkpoints = checkpointing.Checkpoints(str(tmp_path), 'eval/accuracy')
+  assert checkpoints.best_step() == 10
+  assert checkpoints.restore_newest(state, move_aside=True) == (20, {'epoch': 2, 'layout': 2})
+  checkpoints.close()

@@ -25,12 +25,14 @@ import pytest
 
 from configs import default
 from core import errors
+from core import runtime
 from data_sources import base
 import train
 from training import checkpointing
 from training import summaries
 from training import workdirs
 from training import run_spec
+from tests.helpers.build import create
 from tests.helpers.runs import saved as _saved
 from tests.helpers.runs import free_port
 
@@ -66,7 +68,8 @@ def trained(tfds_data_dir, tmp_path_factory):
   """A workdir after an uninterrupted 8-step run: checkpoints 4 and 8."""
   workdir = str(tmp_path_factory.mktemp('trained'))
   train.train_and_evaluate(run_spec.resolve(_config(tfds_data_dir)), workdir)
-  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['4', '8']
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == [
+      '4', '8', checkpointing.RECORD_FILE]  # The epoch's eval metrics are recorded beside.
   return workdir
 
 
@@ -273,7 +276,7 @@ def test_a_save_that_fails_for_space_keeps_the_earlier_checkpoints_and_no_leftov
     train.train_and_evaluate(run_spec.resolve(_config(tfds_data_dir, num_epochs=2)), workdir)
   assert (error.value.path, error.value.reason) == (checkpoints, 'No space left on device')
   assert 'The earlier checkpoints (steps 4, 8) are kept' in str(error.value)
-  assert sorted(os.listdir(checkpoints)) == ['4', '8']
+  assert sorted(os.listdir(checkpoints)) == ['4', '8', checkpointing.RECORD_FILE]
 
 
 def _can_mount_tmpfs() -> bool:
@@ -318,7 +321,8 @@ def test_a_full_disk_ends_in_one_line_and_the_rerun_resumes_after_space_is_freed
           'space left on device. The earlier checkpoints (steps 4, 8) are kept' in full_log)
   assert 'Traceback' not in full_log
   assert 'a save may fail for lack of space' in full_log  # The start-up warning.
-  assert freed.split()[0] == 'rc=0' and freed.split()[1:] == ['12', '16', '8']
+  assert freed.split()[0] == 'rc=0' and freed.split()[1:] == [
+      '12', '16', '8', checkpointing.RECORD_FILE]
   assert 'Restored checkpoint at step 8 ' in freed_log
 
 
@@ -415,7 +419,8 @@ def test_split_mistakes_are_config_errors_before_any_data_is_read():
 
 def test_asyncio_reports_of_orbax_tasks_are_not_printed():
   """The unretrieved exception of an Orbax task, logged by asyncio when it is collected after a
-  failed restore, is dropped by the log filter; asyncio's other records are kept."""
+  failed restore, is dropped by the log filter set at start-up; asyncio's other records and
+  the app's own are kept."""
   raiser = {}
   exec(compile("def read():\n  raise Exception('Encountered error while reading array index')\n",
                os.path.join('site-packages', 'orbax', 'checkpoint', 'serialization.py'), 'exec'),
@@ -424,33 +429,55 @@ def test_asyncio_reports_of_orbax_tasks_are_not_printed():
     raiser['read']()
   except Exception:  # pylint: disable=broad-except
     exc_info = sys.exc_info()
-  def record(exc_info):
-    return logging.LogRecord('asyncio', logging.ERROR, 'asyncio/base_events.py', 1,
+  def record(name, exc_info):
+    return logging.LogRecord(name, logging.ERROR, f'{name}/base_events.py', 1,
                              'Task exception was never retrieved', (), exc_info)
-  assert not checkpointing._orbax_warnings_only(record(exc_info))
-  assert checkpointing._orbax_warnings_only(record(None))
+  assert not runtime._not_reported_by_the_app(record('asyncio', exc_info))
+  assert runtime._not_reported_by_the_app(record('asyncio', None))
+  assert runtime._not_reported_by_the_app(record('absl', exc_info))
 
 
-def test_closed_event_loop_reports_after_a_failed_checkpoint_write_are_not_printed(
-    monkeypatch, capsys):
-  """TensorStore prints 'Event loop is closed' through sys.excepthook when a failed write's
-  other writes end after Orbax's event loop: inside the failed block and at any later moment
-  (after main.py's one line), those reports are dropped; other reports still print, and a
-  block that succeeds prints what it held."""
-  # Python's own hooks: an earlier failed block in this process may have wrapped the current.
-  for hook in ('excepthook', 'unraisablehook'):
-    monkeypatch.setattr(sys, hook, getattr(sys, f'__{hook}__'))
-  monkeypatch.setattr(threading, 'excepthook', threading.__excepthook__)
-  closed, other = RuntimeError('Event loop is closed'), ValueError('another failure')
-  with checkpointing._reports_held():
-    sys.excepthook(RuntimeError, closed, None)
-  assert 'Event loop is closed' in capsys.readouterr().err  # Succeeded: printed as usual.
-  with pytest.raises(OSError):
-    with checkpointing._reports_held():
-      sys.excepthook(RuntimeError, closed, None)
-      raise OSError(errno.ENOSPC, 'No space left on device')
-  sys.excepthook(RuntimeError, closed, None)  # Later, as a TensorStore thread ends.
-  threading.excepthook(threading.ExceptHookArgs([RuntimeError, closed, None, None]))
-  assert not capsys.readouterr().err
-  sys.excepthook(ValueError, other, None)
-  assert 'another failure' in capsys.readouterr().err
+def test_reports_of_other_threads_during_saves_and_a_failed_restore_reach_the_hooks(
+    tmp_path, monkeypatch):
+  """Saves and restores leave the process's hooks alone: an unrelated thread that fails
+  meanwhile is reported through threading.excepthook, also while a save fails for space and
+  while a damaged checkpoint's restore fails and falls back to the one before."""
+  reports = []
+  monkeypatch.setattr(threading, 'excepthook', lambda report: reports.append(
+      str(report.exc_value)))
+  hooks = (sys.excepthook, sys.unraisablehook, threading.excepthook)
+
+  def unrelated_thread_fails(name):
+    def fail():
+      raise RuntimeError(name)
+    thread = threading.Thread(target=fail)
+    thread.start()
+    thread.join()
+
+  manager = checkpointing.ocp.CheckpointManager
+  real_save, real_restore = manager.save, manager.restore
+
+  def save(self, step, *args, **kwargs):
+    unrelated_thread_fails(f'save {step}')
+    if step == 3:
+      raise ValueError("RESOURCE_EXHAUSTED: No space left on device [os_error_code='28']")
+    return real_save(self, step, *args, **kwargs)
+
+  def restore(self, step, *args, **kwargs):
+    unrelated_thread_fails(f'restore {step}')
+    return real_restore(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(manager, 'save', save)
+  monkeypatch.setattr(manager, 'restore', restore)
+  state, _ = create(model='mlp')
+  checkpoints = checkpointing.Checkpoints(str(tmp_path))
+  progress = {'epoch': 0, 'step_in_epoch': 1, 'steps_per_epoch': 10, 'hooks': {}}
+  checkpoints.save(1, state, progress)
+  checkpoints.save(2, state, progress)
+  with pytest.raises(errors.StorageError):
+    checkpoints.save(3, state, progress)
+  _damage(os.path.join(checkpoints.directory, '2'), 'truncated data file')
+  assert checkpoints.restore_newest(state, move_aside=True)[0] == 1
+  checkpoints.close()
+  assert reports == ['save 1', 'save 2', 'save 3', 'restore 2', 'restore 1']
+  assert (sys.excepthook, sys.unraisablehook, threading.excepthook) == hooks

@@ -1,30 +1,30 @@
 """Orbax checkpoints of a training run: save, restore the newest that restores, keep the best.
 
-A checkpoint `<workdir>/checkpoints/<step>` holds two items:
+A checkpoint `<workdir>/checkpoints/<step>`, written by Orbax's `CheckpointManager`, holds two
+items:
   state: the whole `TrainState` (model with its BatchNorm statistics and dropout RNG state,
     optimizer, EMA, train-metric sums), so a resumed run continues bit-exactly;
   progress: JSON {epoch, step_in_epoch, steps_per_epoch, layout, and the state of the loop's
-    hooks}: where the input pipeline continues (every epoch's order is derived from config.seed,
-    so the position is enough).
-Epoch-end checkpoints also carry the eval metrics, by which Orbax keeps the best one
-(`best_fn`) besides the newest `max_checkpoints_to_keep`. Orbax writes a checkpoint into a
-temporary directory and renames it once complete, so a process killed at any moment, even
-mid-save, leaves nothing that the next start would pick up.
+    hooks} at the save: where the input pipeline continues (every epoch's order is derived from
+    config.seed, so the position is enough).
+Orbax writes a checkpoint into a temporary directory and renames it once complete, so a process
+killed at any moment, even mid-save, leaves nothing that the next start would pick up (the next
+start removes the temporary directory).
+
+An epoch's checkpoint is saved before its evaluations, so that a failed evaluation loses no
+training. What is known only after them, the eval metrics and the progress of the hooks that ran
+after the save, is this app's own record, `<workdir>/checkpoints/steps.json` ({step: {progress,
+metrics}}, rewritten atomically), never written into Orbax's step directories. By those metrics
+the app keeps the best epoch-end checkpoint besides the newest `max_to_keep`, and deletes the
+others through the manager.
 """
 
-import contextlib
-import datetime
 import errno
-import glob
 import json
-import logging as python_logging
 import os
 import re
 import shutil
-import sys
-import threading
 import time
-from typing import NamedTuple
 
 from absl import logging
 from flax import nnx
@@ -33,9 +33,11 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from core import errors
+from training import workdirs
 
 CHECKPOINT_DIR = 'checkpoints'
 CORRUPT_DIR = 'corrupt'  # Under CHECKPOINT_DIR: checkpoints that failed to restore.
+RECORD_FILE = 'steps.json'  # Under CHECKPOINT_DIR: what is known of each step after its save.
 LAYOUT = 2  # Of the items above; checkpoints of other layouts are refused with one line.
 _MAX_LISTED = 6  # Differing keys named in a mismatch error.
 _CHECKPOINTS_OF_SPACE = 3  # Free space below this many checkpoints' size at start: a warning.
@@ -92,92 +94,6 @@ def _first_line(error: Exception) -> str:
   return f'{type(error).__name__}: {text[:200]}{"..." if len(text) > 200 else ""}'
 
 
-def _orbax_warnings_only(record) -> bool:
-  """A logging filter: Orbax logs ~40 INFO lines per save; we log one line per save instead.
-
-  Orbax also logs the traceback of each of its writer threads that fails; the save re-raises
-  the same error to its caller, which reports it once. And it warns at every save without
-  metrics while it tracks a best: the mid-epoch saves carry none on purpose (the best is an
-  epoch-end checkpoint). Its warning of the preemption sync point comes at each of its checks,
-  3-4 times per process; the run's last line says where it saved and why it stopped.
-
-  A failed read or write also leaves asyncio tasks of Orbax whose exception nobody retrieves;
-  asyncio logs each with its traceback when the task is garbage-collected, at any later moment
-  (in one of several runs of a damaged checkpoint's fallback): the restore or save reported the
-  same failure once already.
-  """
-  if record.name == 'asyncio' and record.exc_info and _raised_in_orbax(record.exc_info[2]):
-    return False
-  if f'{os.sep}orbax{os.sep}' not in record.pathname:
-    return True
-  message = record.getMessage()
-  return record.levelno >= python_logging.WARNING and not any(
-      repeated in message for repeated in ('raised an exception', 'did not provide metrics',
-                                           'Reached preemption sync point'))
-
-
-def _raised_in_orbax(trace) -> bool:
-  """Whether a traceback passes through Orbax's code."""
-  while trace is not None:
-    if f'{os.sep}orbax{os.sep}' in trace.tb_frame.f_code.co_filename:
-      return True
-    trace = trace.tb_next
-  return False
-
-
-@contextlib.contextmanager
-def _reports_held():
-  """Holds what Orbax's and TensorStore's threads report as they fail inside the block (their
-  exceptions that nothing can raise, such as 'Event loop is closed' after a failed read or
-  write): dropped if the block fails, since its own error says the same once and the caller
-  reports it in one line; printed as usual if it succeeds. TensorStore prints through
-  sys.excepthook (PyErr_Print), the others through the unraisable, thread and asyncio hooks."""
-  unraisable, thread_failures, uncaught, asyncio_records = [], [], [], []
-  report_unraisable, sys.unraisablehook = sys.unraisablehook, unraisable.append
-  report_thread, threading.excepthook = threading.excepthook, thread_failures.append
-  report_uncaught, sys.excepthook = sys.excepthook, lambda *report: uncaught.append(report)
-  asyncio_logger = python_logging.getLogger('asyncio')  # 'Task exception was never retrieved'.
-  hold_record = lambda record: asyncio_records.append(record) and False
-  asyncio_logger.addFilter(hold_record)
-  failed = True
-  try:
-    yield
-    failed = False
-  finally:
-    sys.unraisablehook, threading.excepthook = report_unraisable, report_thread
-    sys.excepthook = report_uncaught
-    asyncio_logger.removeFilter(hold_record)
-    if failed:
-      _drop_closed_loop_reports()
-  for report in unraisable:
-    report_unraisable(report)
-  for report in thread_failures:
-    report_thread(report)
-  for report in uncaught:
-    report_uncaught(*report)
-  for record in asyncio_records:
-    asyncio_logger.handle(record)
-
-
-def _drop_closed_loop_reports() -> None:
-  """From a failed read or write on, drops the reports of 'RuntimeError: Event loop is closed'
-  (any other report still prints): the failed operation's other TensorStore writes can end
-  later, at any moment (under load, after main.py printed the failure in one line), each
-  calling back into Orbax's event loop, closed by then, and printing the traceback."""
-  closed = lambda error: isinstance(error, RuntimeError) and str(error) == 'Event loop is closed'
-  if getattr(sys.excepthook, 'drops_closed_loops', False):
-    return
-  report_unraisable, report_thread, report_uncaught = (
-      sys.unraisablehook, threading.excepthook, sys.excepthook)
-
-  def uncaught(kind, error, trace):
-    if not closed(error):
-      report_uncaught(kind, error, trace)
-
-  uncaught.drops_closed_loops = True
-  sys.excepthook = uncaught
-  sys.unraisablehook = lambda report: closed(report.exc_value) or report_unraisable(report)
-  threading.excepthook = lambda report: closed(report.exc_value) or report_thread(report)
 
 
 def checkpoint_path(path: str) -> str:
@@ -247,65 +163,59 @@ def _flat_variables(model: nnx.Module) -> list[tuple[str, nnx.Variable]]:
   return list(_flat(state, is_leaf=lambda x: isinstance(x, nnx.Variable)).items())
 
 
-class _PolicyInfo(NamedTuple):
-  """A saved step as Orbax's preservation policies read it (`PolicyCheckpointInfo`)."""
-  step: int
-  metrics: dict | None
-  time: datetime.datetime
+def _state_bytes(state: nnx.Module) -> int:
+  """The bytes of `state`'s arrays, about what a checkpoint of it takes on disk."""
+  return sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(state))
+             if not jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key))
 
 
 class Checkpoints:
-  """The checkpoints of one workdir, through an `ocp.CheckpointManager`."""
+  """The checkpoints of one workdir: Orbax's `CheckpointManager` saves, lists, restores and
+  deletes them; this class keeps the record of what is known after a save, and the rule of
+  which checkpoints to keep."""
 
   def __init__(self, workdir: str, best_metric: str | None = None, maximize: bool = True,
                max_to_keep: int = 3):
     """`best_metric` (with `maximize`) picks the epoch-end checkpoint kept as the best."""
     self.directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
-    logging.get_absl_handler().addFilter(_orbax_warnings_only)
-    sign = 1 if maximize else -1
-    score = lambda metrics: sign * metrics[best_metric]
+    self._best_metric, self._sign = best_metric, 1 if maximize else -1
+    self._max_to_keep = max_to_keep
     # Synchronous saves: the train step donates the state's buffers right after a save returns.
-    # A save interrupted by a kill leaves a temporary directory, removed at the next start.
-    policies = [ocp.checkpoint_managers.LatestN(n=max_to_keep)]
-    if best_metric:
-      policies.append(ocp.checkpoint_managers.BestN(get_metric_fn=score, n=1,
-                                                    keep_checkpoints_without_metrics=False))
-    self._policy = ocp.checkpoint_managers.AnyPreservationPolicy(policies)
+    # Orbax keeps every checkpoint (no max_to_keep): `_delete_unkept` applies this app's rule.
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
-            create=True, enable_async_checkpointing=False, cleanup_tmp_directories=True,
-            best_fn=score if best_metric else None, best_mode='max',
-            preservation_policy=self._policy),
+            create=True, enable_async_checkpointing=False, cleanup_tmp_directories=True),
         # Named handlers let a fresh process read the metadata of existing checkpoints.
         item_handlers={'state': ocp.StandardCheckpointHandler(),
                        'progress': ocp.JsonCheckpointHandler()})
+    self._records = self._read_records()
 
   def close(self) -> None:
-    """Waits for Orbax's background work (such as deleting old checkpoints) and ends it."""
+    """Waits for Orbax's background work and ends it."""
     self._manager.close()
 
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
 
   def best_step(self) -> int | None:
-    """The epoch-end checkpoint best by the metric; None when none carries metrics."""
-    return self._manager.best_step()
+    """The epoch-end checkpoint best by the metric (the later of equals); None when none has
+    metrics."""
+    scores = {step: self._sign * metrics[self._best_metric] for step in self.all_steps()
+              if self._best_metric in (metrics := self._metrics(step) or {})}
+    return max(scores, key=lambda step: (scores[step], step)) if scores else None
 
   def latest_progress(self) -> dict | None:
-    """The progress item of the newest checkpoint (JSON only, no arrays read), if any."""
+    """The progress of the newest checkpoint (JSON only, no arrays read), if any."""
     for step in reversed(self.all_steps()):
       try:
-        return self._manager.restore(step, args=ocp.args.Composite(
-            progress=ocp.args.JsonRestore()))['progress']
+        return self._progress(step)
       except Exception:  # pylint: disable=broad-except  (a damaged one: try the one before)
         continue
     return None
 
   def warn_if_disk_low(self, state: nnx.Module) -> None:
-    size = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(state))
-               if not jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key))
-    free = shutil.disk_usage(self.directory).free
+    size, free = _state_bytes(state), shutil.disk_usage(self.directory).free
     if free < _CHECKPOINTS_OF_SPACE * size:
       logging.warning('Only %.1f MB free in %s, less than %d checkpoints of %.1f MB: a save may '
                       'fail for lack of space.', free / 1e6, self.directory,
@@ -314,81 +224,107 @@ class Checkpoints:
   def save(self, step: int, state: nnx.Module, progress: dict,
            metrics: dict[str, float] | None = None) -> None:
     """Saves checkpoint `step` of `state` with `progress` (and the eval `metrics` by which the
-    best is kept); a `StorageError` if the disk is full or not writable, earlier ones intact."""
+    best is kept, when known already: see `record`), then deletes the checkpoints no longer
+    kept. A `StorageError` if the disk is full or not writable, the earlier ones intact."""
     start = time.time()
+    self._forget([step])  # The record of an earlier checkpoint of this step, moved aside.
+    # A save that fails part-way leaves TensorStore's other writes running after Orbax gave
+    # up, each reporting it with a traceback as it ends: a save that cannot fit never starts.
+    if shutil.disk_usage(self.directory).free < _state_bytes(state):
+      raise self._storage_error(step, os.strerror(errno.ENOSPC))
     try:
-      with _reports_held():
-        self._manager.save(step, metrics=metrics, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(nnx.state(state)),
-            progress=ocp.args.JsonSave({**progress, 'layout': LAYOUT})))
+      self._manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(nnx.state(state)),
+          progress=ocp.args.JsonSave({**progress, 'layout': LAYOUT})))
     except Exception as error:  # pylint: disable=broad-except  (re-raised unless an OS error)
       if (reason := io_failure(error)) is None:
         raise
-      # The run ends with this error. Orbax's other writer threads of this save may still be
-      # writing into its temporary directory: it is removed before and after they stop.
-      self._remove_partial_saves()
-      with _reports_held():
-        try:
-          self._manager.wait_until_finished()
-        except Exception:  # pylint: disable=broad-except  (the same failure, reported below)
-          pass
-      self._remove_partial_saves()
-      kept = self.all_steps()
-      earlier = (f'The earlier checkpoints (steps {", ".join(map(str, kept))}) are kept' if kept
-                 else 'No earlier checkpoint was saved')
-      raise errors.StorageError(
-          f'Could not save the checkpoint at step {step} in {self.directory}: {reason}. '
-          f'{earlier}; free space (or fix the permissions) and rerun the same command to '
-          'resume.', path=self.directory, reason=reason) from error
+      # The run ends with this error: the failed save's temporary directory holds the space.
+      if jax.process_index() == 0:
+        for partial in ocp.utils.tmp_checkpoints(self.directory):
+          shutil.rmtree(partial.get(), ignore_errors=True)
+      raise self._storage_error(step, reason) from error
+    if metrics is None:
+      self._delete_unkept()
+    else:
+      self.record(step, progress, metrics)
     logging.info('Saved checkpoint at step %d in %.2fs.', step, time.time() - start)
 
+  def _storage_error(self, step: int, reason: str) -> errors.StorageError:
+    kept = self.all_steps()
+    earlier = (f'The earlier checkpoints (steps {", ".join(map(str, kept))}) are kept' if kept
+               else 'No earlier checkpoint was saved')
+    return errors.StorageError(
+        f'Could not save the checkpoint at step {step} in {self.directory}: {reason}. '
+        f'{earlier}; free space (or fix the permissions) and rerun the same command to resume.',
+        path=self.directory, reason=reason)
+
   def record(self, step: int, progress: dict, metrics: dict[str, float]) -> None:
-    """Adds to the saved checkpoint `step` what is known only after it: the eval `metrics` by
-    which the best is kept, and the `progress` of the hooks that ran after the save (an epoch's
-    checkpoint is saved before its evaluations, so that a failed evaluation loses no training).
+    """Records what is known of the saved checkpoint `step` only after it: the eval `metrics`
+    by which the best is kept, and the `progress` of the hooks that ran after the save (an
+    epoch's checkpoint is saved before its evaluations, so that a failed evaluation loses no
+    training). Then deletes the checkpoints no longer kept: an earlier best, now beaten."""
+    self._records[step] = {'progress': {**progress, 'layout': LAYOUT}, 'metrics': metrics}
+    self._write_records()
+    self._delete_unkept()
 
-    Orbax keeps both as JSON items of the step (its metrics item, this app's progress item):
-    each is written to a temporary file renamed over the item, so a process killed meanwhile
-    leaves the old or the new. `reload` then re-reads the steps' metrics, by which the next
-    save's clean-up keeps the best."""
-    if jax.process_index() == 0:
-      step_directory = os.path.join(self.directory, str(step))
-      for item, filename, value in (
-          ('progress', 'metadata', {**progress, 'layout': LAYOUT}),
-          (ocp.checkpoint_manager.METRIC_ITEM_NAME, ocp.checkpoint_manager.METRIC_ITEM_NAME,
-           metrics)):
-        os.makedirs(os.path.join(step_directory, item), exist_ok=True)
-        path = os.path.join(step_directory, item, filename)
-        with open(f'{path}.tmp', 'w', encoding='utf-8') as file:
-          json.dump(value, file)
-        os.replace(f'{path}.tmp', path)
-    self._manager.reload()
-    self._remove_unpreserved()
+  def _read_records(self) -> dict[int, dict]:
+    """{step: {'progress': ..., 'metrics': ...}} of RECORD_FILE; {} if there is none."""
+    path = os.path.join(self.directory, RECORD_FILE)
+    try:
+      with open(path, encoding='utf-8') as file:
+        return {int(step): record for step, record in json.load(file).items()}
+    except FileNotFoundError:
+      return {}
+    except ValueError as error:
+      raise errors.CheckpointError(
+          f'The record of the checkpoints {path} is damaged ({_first_line(error)}): move the '
+          f'checkpoints aside and pass a new --workdir.', directory=self.directory) from error
 
-  def _remove_unpreserved(self) -> None:
-    """Deletes the steps that the preservation policy no longer keeps now that a step's
-    metrics are known (Orbax applies it at a save only, when the new step had none yet: an
-    earlier best would otherwise stay until the next save, or for good after the last)."""
-    checkpoints = [_PolicyInfo(step, self._manager.metrics(step), datetime.datetime.now())
-                   for step in self._manager.all_steps()]
-    kept = self._policy.should_preserve(
-        checkpoints, context=ocp.checkpoint_managers.PreservationContext())
-    for checkpoint, keep in zip(checkpoints, kept):
-      if not keep:
-        self._manager.delete(checkpoint.step)
+  def _write_records(self) -> None:
+    if jax.process_index() == 0:  # All processes keep the same record; the first writes it.
+      workdirs.write_json(os.path.join(self.directory, RECORD_FILE),
+                          {str(step): record for step, record in self._records.items()})
 
-  def _remove_partial_saves(self) -> None:
-    """Deletes what a failed save left: its temporary directory, which holds the lost space."""
-    for partial in glob.glob(os.path.join(self.directory, '*.orbax-checkpoint-tmp*')):
-      shutil.rmtree(partial, ignore_errors=True)
+  def _forget(self, steps) -> None:
+    """Removes the records of `steps` (deleted, moved aside or saved anew)."""
+    if forgotten := [step for step in steps if step in self._records]:
+      for step in forgotten:
+        del self._records[step]
+      self._write_records()
+
+  def _metrics(self, step: int) -> dict[str, float] | None:
+    """The recorded eval metrics of checkpoint `step`, if any. An earlier version of this app
+    kept them in the step, as Orbax's metrics item: those of its checkpoints are read there."""
+    if step in self._records:
+      return self._records[step]['metrics']
+    return self._manager.metrics(step)
+
+  def _progress(self, step: int) -> dict:
+    """The progress of checkpoint `step`: as recorded after its save, else as saved."""
+    if step in self._records:
+      return self._records[step]['progress']
+    return self._manager.restore(step, args=ocp.args.Composite(
+        progress=ocp.args.JsonRestore()))['progress']
+
+  def _delete_unkept(self) -> None:
+    """Deletes the checkpoints that are neither among the newest `max_to_keep` nor the best,
+    then their records (a process killed in between leaves records of missing steps, never
+    read)."""
+    steps = self.all_steps()
+    kept = set(steps[-self._max_to_keep:]) | {self.best_step()}
+    unkept = [step for step in steps if step not in kept]
+    for step in unkept:
+      self._manager.delete(step)
+    self._forget(unkept)
 
   def _restore(self, step: int, state: nnx.Module) -> dict:
-    """Restores checkpoint `step` into `state` (in place); returns its progress item.
+    """Restores checkpoint `step` into `state` (in place); returns its progress.
 
     Its structure is checked first: a `CheckpointError` naming the differences if it does not
     fit the config, or if an older version of this app wrote it.
     """
-    metadata = self._manager.item_metadata(step)
+    metadata = self._manager.metadata(step).item_metadata
     if metadata.get('state') is None:
       if any(os.path.isdir(os.path.join(self.directory, str(step), item))
              for item in ('model', 'train')):  # The items of the first layout.
@@ -404,13 +340,12 @@ class Checkpoints:
           f'config ({"; ".join(differences)}). Use the config it was written with (model, '
           'optimizer, EMA, dataset), or a new --workdir.', directory=self.directory, step=step)
     start = time.time()
-    with _reports_held():
-      restored = self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(target), progress=ocp.args.JsonRestore()))
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target), progress=ocp.args.JsonRestore()))
     nnx.update(state, restored['state'])
     logging.info('Restored checkpoint at step %d from %s in %.2fs.', step, self.directory,
                  time.time() - start)
-    return restored['progress']
+    return self._records[step]['progress'] if step in self._records else restored['progress']
 
   def restore_newest(self, state: nnx.Module, *, move_aside: bool) -> tuple[int, dict] | None:
     """Restores the newest checkpoint that restores into `state`: (step, progress), or None
@@ -487,4 +422,5 @@ class Checkpoints:
       target = os.path.join(corrupt, f'{step}.{suffix}')
     os.rename(os.path.join(self.directory, str(step)), target)
     self._manager.reload()
+    self._forget([step])
     return target

@@ -294,7 +294,7 @@ class EarlyStopping(Hook):
   """Stops the run after `patience` epochs whose `metric` did not beat the best by more than
   `min_delta` (as Keras's EarlyStopping); its best value and epoch resume with the run.
 
-  It follows its own best rather than Orbax's best checkpoint, which counts any improvement:
+  It follows its own best rather than the best checkpoint's, which counts any improvement:
   with `min_delta` the two may differ (the best checkpoint is still the best).
   """
   name = 'early_stopping'
@@ -347,7 +347,7 @@ class Checkpointing:
   """Saves every `every_steps`, at every epoch end, at the last step and when the run stops
   early; never a non-finite state. An epoch's checkpoint is saved before its evaluations, so
   that a failed evaluation loses no training, then `record` adds the eval metrics (by which
-  Orbax keeps the best) and the state of the hooks that ran after the save."""
+  the best is kept) and the state of the hooks that ran after the save."""
 
   def __init__(self, checkpoints: checkpointing.Checkpoints, every_steps: int,
                guard: NonFiniteGuard | None):
