@@ -61,8 +61,15 @@ class Registry:
     self._imported = package is None
 
   def register(self, name: str, **capabilities: Any) -> Callable:
-    """A decorator that registers a class or factory under `name`, with `capabilities`."""
+    """A decorator that registers a class or factory under `name`, with `capabilities`; a
+    `ConfigError` naming both places if another one holds `name`. The same definition run
+    again (its module reloaded) replaces its own entry."""
     def decorator(factory):
+      if (taken := self._entries.get(name)) and _place(taken.factory) != _place(factory):
+        raise errors.ConfigError(
+            f'Two {self.kind}s are registered as {name!r}: {_place(taken.factory)} and '
+            f'{_place(factory)}; rename one of them.', key=self.key or self.kind, value=name,
+            registered=_place(taken.factory), duplicate=_place(factory))
       self._entries[name] = Entry(factory, capabilities)
       return factory
     return decorator
@@ -179,6 +186,11 @@ class Registry:
       except (TypeError, ValueError) as error:
         raise invalid(f'bad arguments for {text!r}: {error}') from None
     return built
+
+
+def _place(factory: Callable) -> str:
+  """Where `factory` is defined: 'module.qualname'."""
+  return f'{factory.__module__}.{factory.__qualname__}'
 
 
 def _parse_calls(spec: str) -> list[tuple[str, str, list, dict]]:

@@ -110,10 +110,12 @@ def test_bad_specs_are_config_errors(spec):
 
 
 def test_an_op_registered_in_one_place_joins_the_language():
-  @preprocessing.OPS.register('invert_for_test', stage='random')
+  # Not helpers/plugins.py's 'invert_for_test': a registry refuses a name taken elsewhere.
+  @preprocessing.OPS.register('invert_in_one_place_for_test', stage='random')
   def invert(probability: float = 1.0):
     del probability
     return lambda images, seed: 1.0 - images
   images = np.random.default_rng(0).random((2, 3, 3, 1)).astype(np.float32)
-  np.testing.assert_allclose(_augment('flip_lr|invert_for_test(1.0)', images, [0, 0]),
+  np.testing.assert_allclose(_augment('flip_lr|invert_in_one_place_for_test(1.0)', images,
+                                      [0, 0]),
                              1.0 - _augment('flip_lr', images, [0, 0]), atol=1e-6)
