@@ -98,6 +98,29 @@ def test_frozen_parameters_and_batch_norm_statistics_do_not_move():
                              rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize('ema_decay', [0.0, 0.9])
+def test_frozen_batch_norm_statistics_stay_as_loaded_through_precise_batch_norm(ema_decay):
+  """What eval normalises with: a frozen BatchNorm's statistics as loaded, bit for bit, after
+  training steps and the precise-BN recompute before the eval (of the EMA's model when there
+  is one); an unfrozen BatchNorm's recomputed."""
+  state, train_step = create(freeze=('conv', 'batch_norm1'), ema_decay=ema_decay)
+  rng = np.random.default_rng(0)
+  # Statistics as a checkpoint would give them: not the initial 0 and 1, which averaging keeps.
+  loaded = {name: rng.uniform(0.1, 2.0, (32,)).astype(np.float32) for name in ('mean', 'var')}
+  for model in {state.model, state.eval_model()}:
+    for name, value in loaded.items():
+      getattr(model.batch_norm1, name)[...] = jnp.asarray(value)
+  for seed in range(3):
+    train_step(state, random_batch(32, seed))
+  unfrozen_before = np.array(state.eval_model().batch_norm2.mean[...])
+  state_lib.recompute_batch_statistics(state.eval_model(),
+                                       [random_batch(32, seed) for seed in range(3, 8)])
+  for model in (state.model, state.eval_model()):
+    for name, value in loaded.items():
+      np.testing.assert_array_equal(np.array(getattr(model.batch_norm1, name)[...]), value)
+  assert not np.allclose(np.array(state.eval_model().batch_norm2.mean[...]), unfrozen_before)
+
+
 def test_balanced_class_weights_follow_the_counts():
   counts = np.array([90, 10, 50])
   weights = losses.class_weight_vector('balanced', 3, lambda: counts)

@@ -93,11 +93,17 @@ def update_ema(ema: nnx.EMA, model: nnx.Module, step: jax.Array) -> None:
   ExponentialMovingAverage does with num_updates (and timm's ModelEmaV3 with warm-up): early
   on, the average follows the weights instead of holding on to their random start (configs/
   best.py evaluated the averaged weights at 77.7% after epoch 1 while training at 89-99%).
-  Written here because `nnx.EMA.update` takes a fixed decay; the rule is the same.
+  Written here because `nnx.EMA.update` takes a fixed decay. The rule is the same, taken as a
+  step towards the weights, average + (1 - decay) (weights - average), as timm's `lerp_`: the
+  average of a weight that does not move (frozen) stays exactly that weight, where decay *
+  average + (1 - decay) * weight rounds it (a fifth of a frozen BatchNorm's statistics moved).
   """
   decay = jnp.minimum(ema.decay, (1.0 + step) / (10.0 + step))
-  jax.tree.map(lambda average, new: average.set_value(decay * average[...] + (1 - decay) * new),
-               ema.params, nnx.state(model, ema.filter),
+
+  def step_towards(average: nnx.Variable, new: nnx.Variable) -> None:
+    average.set_value(average[...] + (1 - decay) * (new[...] - average[...]))
+
+  jax.tree.map(step_towards, ema.params, nnx.state(model, ema.filter),
                is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
@@ -199,9 +205,9 @@ def _batch_statistics(probe: nnx.Module, images: jax.Array) -> nnx.State:
 
 
 def recompute_batch_statistics(model: nnx.Module, batches) -> None:
-  """Sets `model`'s BatchNorm statistics to their mean over `batches` ("precise BN", Wu and
-  Johnson 2021): each batch normalised with its own statistics, as in training, without
-  dropout, by the current weights.
+  """Sets the statistics of `model`'s BatchNorms to their mean over `batches` ("precise BN", Wu
+  and Johnson 2021): each batch normalised with its own statistics, as in training, without
+  dropout, by the current weights. A frozen BatchNorm keeps its statistics as they are.
 
   The running averages that training keeps (momentum 0.99) lag the weights: they start at mean
   0 and variance 1, and still weigh that start by 0.55 after 60 steps; and when a layer's input
@@ -210,14 +216,21 @@ def recompute_batch_statistics(model: nnx.Module, batches) -> None:
   these give 98.7% (MNIST in bfloat16, 2 epochs): docs/training_options.md.
   """
   probe = nnx.clone(model)
-  for _, module in nnx.iter_modules(probe):  # `model` is in training mode.
+  trained = set()  # The paths of the BatchNorms not frozen, whose statistics are recomputed.
+  for path, module in nnx.iter_modules(probe):  # `model` is in training mode.
     if isinstance(module, nnx.BatchNorm) and not module.use_running_average:  # Not frozen.
       module.momentum = 0.0
+      trained.add(path)
     elif isinstance(module, nnx.Dropout):
       module.deterministic = True
+  if not trained:
+    return  # Every BatchNorm frozen: each keeps its statistics, no pass over `batches`.
   statistics = [_batch_statistics(probe, batch['image']) for batch in batches]
   if statistics:
-    nnx.update(model, jax.tree.map(lambda *values: sum(values) / len(values), *statistics))
+    mean = jax.tree.map(lambda *values: sum(values) / len(values), *statistics)
+    # A frozen BatchNorm's statistics are left out, not written back as the mean of their
+    # copies: that mean rounds them (the last bit of a quarter of them over 5 batches).
+    nnx.update(model, mean.filter(lambda path, _: path[:-1] in trained))
 
 
 def has_batch_norm(model: nnx.Module) -> bool:
