@@ -29,7 +29,7 @@ Threads: every child uses all the cores it may run on (PyTorch's intra-op thread
 them; XLA:CPU's pool takes them by default); each child reports its count.
 
 The first lines printed, and the JSON, name the CPU, its ISA features (AVX2, AVX-512,
-AVX512-BF16, AMX: `benchmarks.peer.machine_info`), the library versions and the load average
+AVX512-BF16, AMX: `harness.machine`), the library versions and the load average
 (`uptime`'s) at the start and end; every row carries the 1-minute load when it started. On a
 CPU without AVX512-BF16 or AMX, bfloat16 is emulated and PyTorch's bfloat16 convolutions and
 matmuls run 10-400x slower than float32 (docs/performance.md): measure them at a smaller
@@ -44,31 +44,14 @@ import collections
 import json
 import os
 import resource
-import statistics
 import sys
-import tempfile
-import time
 
 from absl import app
 from absl import flags
 
-# --json, --device and --rounds are peer.py's flags, with the same meaning here.
-from benchmarks import peer
+from benchmarks import harness
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list('models', ['resnet50', 'vit_small_patch16_224'],
-                  "Models, by timm's names (registered in this app under the same names).")
-flags.DEFINE_list('dtypes', ['float32', 'bfloat16'], 'What the models compute in.')
-flags.DEFINE_list('configurations', None, 'What to run (default: all for --device): '
-                  'jax_auto, jax_off, torch_eager, torch_compile.')
-flags.DEFINE_integer('batch_size', 32, 'Images per train step.', lower_bound=1)
-flags.DEFINE_integer('image_size', 224, 'Height and width of the images.', lower_bound=16)
-flags.DEFINE_integer('warmup', 3, 'Untimed steps first (the first compiles).', lower_bound=1)
-flags.DEFINE_integer('steps', 5, 'Timed steps; the figure is their median.', lower_bound=1)
-# Internal: a child that measures one configuration, in-process.
-flags.DEFINE_enum('child', None, ['jax_auto', 'jax_off', 'torch_eager', 'torch_compile'],
-                  'Measure this configuration of --models and --dtypes (one each).')
-
 CONFIGURATIONS = ('jax_auto', 'jax_off', 'torch_eager', 'torch_compile')
 DEFAULT_CONFIGURATIONS = {'cpu': CONFIGURATIONS,
                           'cuda': ('jax_off', 'torch_eager', 'torch_compile')}
@@ -76,25 +59,33 @@ NUM_CLASSES = 1000  # ImageNet's head, as the models are published.
 LABEL_SMOOTHING = 0.1  # configs/finetune.py's.
 
 
-def usable_cores() -> int:
-  return len(os.sched_getaffinity(0))
+def define_flags() -> None:
+  """The command line's flags: defined when run, not at import (tests import the module
+  beside other benchmarks, whose flags share names)."""
+  flags.DEFINE_string('json', None, 'Where to write the figures (after every row).')
+  flags.mark_flag_as_required('json')
+  flags.DEFINE_enum('device', 'cpu', ['cpu', 'cuda'], 'Where PyTorch and JAX train.')
+  flags.DEFINE_integer('rounds', 3, 'Rounds of every configuration; figures are medians.',
+                       lower_bound=1)
+  flags.DEFINE_list('models', ['resnet50', 'vit_small_patch16_224'],
+                    "Models, by timm's names (registered in this app under the same names).")
+  flags.DEFINE_list('dtypes', ['float32', 'bfloat16'], 'What the models compute in.')
+  flags.DEFINE_list('configurations', None, 'What to run (default: all for --device): '
+                    'jax_auto, jax_off, torch_eager, torch_compile.')
+  flags.DEFINE_integer('batch_size', 32, 'Images per train step.', lower_bound=1)
+  flags.DEFINE_integer('image_size', 224, 'Height and width of the images.', lower_bound=16)
+  flags.DEFINE_integer('warmup', 3, 'Untimed steps first (the first compiles).', lower_bound=1)
+  flags.DEFINE_integer('steps', 5, 'Timed steps; the figure is their median.', lower_bound=1)
+  # Internal: a child that measures one configuration, in-process.
+  flags.DEFINE_enum('child', None, ['jax_auto', 'jax_off', 'torch_eager', 'torch_compile'],
+                    'Measure this configuration of --models and --dtypes (one each).')
 
 
-def load_1min() -> float:
-  """The 1-minute load average, as `uptime` prints it."""
-  return os.getloadavg()[0]
-
-
-def timed_steps(step, synchronize, warmup: int, steps: int) -> dict:
-  """Runs `step` warmup + steps times, each followed by `synchronize`; the first call's
-  seconds (compilation included) and every timed step's seconds."""
-  times = []
-  for _ in range(warmup + steps):
-    start = time.perf_counter()
-    step()
-    synchronize()
-    times.append(time.perf_counter() - start)
-  return {'first_step_seconds': times[0], 'step_seconds': times[warmup:]}
+def timed_steps(step) -> dict:
+  """Runs `step` (which waits for its work) --warmup + --steps times; the first call's seconds
+  (compilation included) and every timed step's seconds."""
+  times = harness.time_calls(step, FLAGS.warmup + FLAGS.steps)
+  return {'first_step_seconds': times[0], 'step_seconds': times[FLAGS.warmup:]}
 
 
 def measure_jax(configuration: str, model: str, dtype: str) -> dict:
@@ -126,11 +117,14 @@ def measure_jax(configuration: str, model: str, dtype: str) -> dict:
   rng = np.random.default_rng(0)
   batch = {'image': jax.numpy.asarray(rng.integers(0, 256, (FLAGS.batch_size, *shape), np.uint8)),
            'label': jax.numpy.asarray(rng.integers(0, NUM_CLASSES, FLAGS.batch_size, np.int32))}
-  figures = timed_steps(lambda: train_step(state, batch),
-                        lambda: jax.block_until_ready(jax.tree.leaves(state)),
-                        FLAGS.warmup, FLAGS.steps)
-  return {**figures, 'threads': usable_cores(), 'device_name': jax.devices()[0].device_kind,
-          'ema_decay': run.ema_decay}
+
+  def step():  # Waits for the device: timed_steps times each step whole.
+    train_step(state, batch)
+    jax.block_until_ready(jax.tree.leaves(state))
+
+  figures = timed_steps(step)
+  return {**figures, 'threads': len(os.sched_getaffinity(0)),
+          'device_name': jax.devices()[0].device_kind, 'ema_decay': run.ema_decay}
 
 
 def measure_torch(configuration: str, model: str, dtype: str) -> dict:
@@ -144,7 +138,7 @@ def measure_torch(configuration: str, model: str, dtype: str) -> dict:
   from benchmarks import pytorch_mnist
   # pylint: enable=g-import-not-at-top
   device = torch.device(FLAGS.device)
-  torch.set_num_threads(usable_cores())
+  torch.set_num_threads(len(os.sched_getaffinity(0)))
   torch.manual_seed(0)
   network = timm.create_model(model, num_classes=NUM_CLASSES)
   if getattr(network, 'patch_embed', None) and network.patch_embed.img_size != (
@@ -157,16 +151,16 @@ def measure_torch(configuration: str, model: str, dtype: str) -> dict:
   images = torch.rand(FLAGS.batch_size, 3, FLAGS.image_size, FLAGS.image_size, device=device)
   labels = torch.randint(0, NUM_CLASSES, (FLAGS.batch_size,), device=device)
 
-  def step():
+  def step():  # Waits for the device: timed_steps times each step whole.
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == 'bfloat16'):
       loss = F.cross_entropy(forward(images), labels, label_smoothing=LABEL_SMOOTHING)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
     ema.update(network)
+    pytorch_mnist.synchronize(device)
 
-  figures = timed_steps(step, lambda: pytorch_mnist.synchronize(device),
-                        FLAGS.warmup, FLAGS.steps)
+  figures = timed_steps(step)
   return {**figures, 'threads': torch.get_num_threads(),
           'device_name': (torch.cuda.get_device_name(device) if device.type == 'cuda'
                           else 'cpu')}
@@ -174,21 +168,16 @@ def measure_torch(configuration: str, model: str, dtype: str) -> dict:
 
 def run_configuration(configuration: str, model: str, dtype: str) -> dict:
   """Measures one configuration in a fresh child; its figures, with the load it started at."""
-  library = 'jax' if configuration.startswith('jax') else 'torch'
-  load = load_1min()
-  with tempfile.TemporaryDirectory() as workdir:
-    out = os.path.join(workdir, 'figures.json')
-    seconds = peer.run_child(
-        [sys.executable, '-m', 'benchmarks.backbones', f'--child={configuration}',
-         f'--models={model}', f'--dtypes={dtype}', f'--device={FLAGS.device}',
-         f'--batch_size={FLAGS.batch_size}', f'--image_size={FLAGS.image_size}',
-         f'--warmup={FLAGS.warmup}', f'--steps={FLAGS.steps}', f'--json={out}'],
-        peer.child_env(library, workdir))
-    with open(out) as f:
-      figures = json.load(f)
-  median_step = statistics.median(figures['step_seconds'])
+  load = os.getloadavg()[0]  # 1 minute, as `uptime` prints it.
+  figures, child = harness.json_child(
+      [sys.executable, '-m', 'benchmarks.backbones', f'--child={configuration}',
+       f'--models={model}', f'--dtypes={dtype}', f'--device={FLAGS.device}',
+       f'--batch_size={FLAGS.batch_size}', f'--image_size={FLAGS.image_size}',
+       f'--warmup={FLAGS.warmup}', f'--steps={FLAGS.steps}'],
+      harness.jax_child_env(FLAGS.device) if configuration.startswith('jax') else None)
+  median_step = harness.median(figures['step_seconds'])
   return {**figures, 'median_step_seconds': median_step,
-          'images_per_sec': FLAGS.batch_size / median_step, 'process_seconds': seconds,
+          'images_per_sec': FLAGS.batch_size / median_step, 'process_seconds': child.seconds,
           'load_1min': load}
 
 
@@ -198,7 +187,7 @@ def summarize(every_round: dict[tuple[str, str, str], list[dict]]) -> list[dict]
   rows = []
   for (model, dtype, configuration), runs in every_round.items():
     rows.append({'model': model, 'dtype': dtype, 'configuration': configuration,
-                 **{key: peer.median([run[key] for run in runs])
+                 **{key: harness.median([run[key] for run in runs])
                     for key in ('images_per_sec', 'median_step_seconds', 'first_step_seconds',
                                 'load_1min', 'peak_rss_mb')},
                  'threads': runs[0]['threads'], 'device_name': runs[0]['device_name']})
@@ -212,17 +201,15 @@ def summarize(every_round: dict[tuple[str, str, str], list[dict]]) -> list[dict]
 
 def markdown_table(rows: list[dict]) -> str:
   """The table of `rows` (summarize's)."""
-  lines = ['| model | dtype | configuration | images/s | median step (s) | first step, compile '
-           'included (s) | vs best PyTorch | peak RSS (MB) | threads | load (1 min) |',
-           '| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |']
-  for row in rows:
-    ratio = f'{row["vs_best_torch"]:.2f}x' if row['vs_best_torch'] is not None else ''
-    lines.append(f'| {row["model"]} | {row["dtype"]} | {row["configuration"]} | '
-                 f'{row["images_per_sec"]:,.2f} | {row["median_step_seconds"]:.3f} | '
-                 f'{row["first_step_seconds"]:.1f} | {ratio} | {row["peak_rss_mb"]:,.0f} | '
-                 f'{row["threads"]} | '
-                 f'{row["load_1min"]:.2f} |')
-  return '\n'.join(lines)
+  return harness.markdown_table(
+      ['model', 'dtype', 'configuration', 'images/s', 'median step (s)',
+       'first step, compile included (s)', 'vs best PyTorch', 'peak RSS (MB)', 'threads',
+       'load (1 min)'],
+      [[row['model'], row['dtype'], row['configuration'], f'{row["images_per_sec"]:,.2f}',
+        f'{row["median_step_seconds"]:.3f}', f'{row["first_step_seconds"]:.1f}',
+        f'{row["vs_best_torch"]:.2f}x' if row['vs_best_torch'] is not None else '',
+        f'{row["peak_rss_mb"]:,.0f}', row['threads'], f'{row["load_1min"]:.2f}']
+       for row in rows], align='lllrrrrrrr')
 
 
 def selected_configurations() -> list[str]:
@@ -243,14 +230,13 @@ def main(argv):
     figures = measure(FLAGS.child, model, dtype)
     # Peak resident memory of the whole child (model, optimizer, activations, compiler), MB.
     figures['peak_rss_mb'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    with open(FLAGS.json, 'w') as f:
-      json.dump(figures, f)
+    with open(FLAGS.json, 'w', encoding='utf-8') as file:
+      json.dump(figures, file)
     return
 
   configurations = selected_configurations()
-  machine = peer.machine_info()
   started_load = os.getloadavg()
-  header = [peer.machine_line(machine),
+  header = [harness.machine_line(harness.machine()),
             f'Load average at start (1, 5, 15 min): {", ".join(f"{x:.2f}" for x in started_load)}; '
             f'batch {FLAGS.batch_size}, {FLAGS.image_size} px, {FLAGS.warmup} warm-up + '
             f'{FLAGS.steps} timed steps, {FLAGS.rounds} round(s), on {FLAGS.device}']
@@ -267,25 +253,25 @@ def main(argv):
                 f'step {run["first_step_seconds"]:.1f} s, load {run["load_1min"]:.2f}',
                 flush=True)
           # The figures so far: a run cut short (a time limit) keeps every finished row.
-          rows = write_report(machine, started_load, every_round)
+          rows = write_report(started_load, every_round)
   print(f'\nLoad average at end (1, 5, 15 min): '
         f'{", ".join(f"{x:.2f}" for x in os.getloadavg())}\n\n{markdown_table(rows)}')
 
 
-def write_report(machine: dict, started_load: tuple[float, ...],
+def write_report(started_load: tuple[float, ...],
                  every_round: dict[tuple[str, str, str], list[dict]]) -> list[dict]:
   """Writes the JSON report of the runs so far to --json; returns its rows (summarize's)."""
   rows = summarize(every_round)
-  report = {'machine': machine, 'device': FLAGS.device, 'batch_size': FLAGS.batch_size,
-            'image_size': FLAGS.image_size, 'warmup': FLAGS.warmup, 'steps': FLAGS.steps,
-            'rounds': FLAGS.rounds, 'load_at_start': started_load,
-            'load_at_end': os.getloadavg(), 'rows': rows,
-            'every_round': [{'model': model, 'dtype': dtype, 'configuration': configuration,
-                             'runs': runs}
-                            for (model, dtype, configuration), runs in every_round.items()]}
-  with open(FLAGS.json, 'w') as f:
-    json.dump(report, f, indent=2)
+  harness.write_json(FLAGS.json, {
+      'device': FLAGS.device, 'batch_size': FLAGS.batch_size, 'image_size': FLAGS.image_size,
+      'warmup': FLAGS.warmup, 'steps': FLAGS.steps, 'rounds': FLAGS.rounds,
+      'load_at_start': started_load, 'load_at_end': os.getloadavg(), 'rows': rows,
+      'every_round': [{'model': model, 'dtype': dtype, 'configuration': configuration,
+                       'runs': runs}
+                      for (model, dtype, configuration), runs in every_round.items()]})
   return rows
 
+
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

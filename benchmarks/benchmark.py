@@ -17,7 +17,7 @@ share), eval examples/s, a 2048x2048 matmul's FLOP/s (the peak that achieved FLO
 fraction of) and its peak RSS. With
 --time_to_accuracy, `main.py` and the reference also train for real, each timed from process
 start to the first epoch whose eval accuracy reaches --target_accuracy (then stopped).
-Prints a table and writes everything, every round included, to --json.
+Prints a table and writes everything, every round included, to --json (`harness.write_json`).
 """
 
 import sys
@@ -30,10 +30,8 @@ if '--keep_freed_memory' in sys.argv:
   runtime.tune_malloc_for_cpu()
 
 import json
-import os
 import re
 import resource
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -47,8 +45,8 @@ from ml_collections import config_flags
 import numpy as np
 import tensorflow as tf
 
+from benchmarks import harness
 from benchmarks import reference_mnist
-from benchmarks import timing
 import input_pipeline
 from training import parallel
 from training import run_spec
@@ -63,12 +61,13 @@ flags.DEFINE_bool('stock_layers', False,
                   "Also measure the project with config.cpu_kernels='off' (flax's stock layers).")
 flags.DEFINE_bool('time_to_accuracy', False, 'Also train for real until --target_accuracy.')
 flags.DEFINE_float('target_accuracy', 0.99, 'Eval accuracy that ends a time-to-accuracy run.')
+flags.DEFINE_integer('matmul_size', harness.MATMUL_SIZE, 'Side of the square matmul whose '
+                     'FLOP/s is the peak (small: quick checks).', lower_bound=1)
 flags.DEFINE_string('json', 'benchmark.json', 'Where to write the figures.')
 # Internal: what a child process measures, and whether it sets up malloc as main.py does.
 flags.DEFINE_enum('measure', None, ['project', 'reference'], 'Measure one program, in-process.')
 flags.DEFINE_bool('keep_freed_memory', False, "Set malloc up as main.py does on CPU.")
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Child runs: (name in the table, program measured, with the project's malloc setting, extra
 # flags).
 _PROJECT = ('project', 'project', True, ())
@@ -158,8 +157,8 @@ def measure_project(config) -> dict[str, float]:
   results = measure_training(step, batches, run.batch_size, FLAGS.steps)
   split = run.evaluation('eval')
   split.run(state.eval_model(), eval_batches, data.info)  # Compile.
-  eval_s = timing.best_time(lambda: split.run(state.eval_model(), eval_batches, data.info),
-                            repeats=3)
+  eval_s = harness.best_seconds(lambda: split.run(state.eval_model(), eval_batches, data.info),
+                                repeats=3)
   return {'compile_s': compile_s, 'flops_per_example': flops, **results,
           'eval_examples_per_sec': data.eval_sizes['eval'] / eval_s}
 
@@ -178,7 +177,8 @@ def measure_reference(config) -> dict[str, float]:
 
   results = measure_training(step, batches, len(first['label']), FLAGS.steps)
   reference_mnist.evaluate(model, metrics, test_ds)  # Compile.
-  eval_s = timing.best_time(lambda: reference_mnist.evaluate(model, metrics, test_ds), repeats=3)
+  eval_s = harness.best_seconds(lambda: reference_mnist.evaluate(model, metrics, test_ds),
+                                repeats=3)
   num_eval = sum(len(batch['label']) for batch in test_ds.as_numpy_iterator())
   return {'compile_s': compile_s, 'flops_per_example': flops, **results,
           'eval_examples_per_sec': num_eval / eval_s}
@@ -187,7 +187,7 @@ def measure_reference(config) -> dict[str, float]:
 def measure(program: str) -> dict[str, float]:
   """All in-process figures of `program` ('project' or 'reference')."""
   config = FLAGS.config
-  peak = timing.matmul_flops_per_sec()
+  peak = harness.matmul_flops_per_sec(size=FLAGS.matmul_size)
   figures = (measure_project if program == 'project' else measure_reference)(config)
   achieved = figures['flops_per_example'] * figures['train_examples_per_sec']
   return {**figures, 'matmul_gflops': peak / 1e9, 'achieved_gflops': achieved / 1e9,
@@ -195,17 +195,14 @@ def measure(program: str) -> dict[str, float]:
           'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def run_child(program: str, keep_freed_memory: bool,
-              extra_flags: tuple[str, ...]) -> dict[str, float]:
+def measure_in_child(program: str, keep_freed_memory: bool,
+                     extra_flags: tuple[str, ...]) -> dict[str, float]:
   """`measure(program)` in a fresh process, with this process's flags and `extra_flags`."""
-  with tempfile.NamedTemporaryFile(suffix='.json') as out:
-    flags_passed = [arg for arg in sys.argv[1:] if not arg.startswith('--json')]
-    command = [sys.executable, '-m', 'benchmarks.benchmark', *flags_passed, *extra_flags,
-               f'--measure={program}', f'--json={out.name}'] + (
-                   ['--keep_freed_memory'] if keep_freed_memory else [])
-    subprocess.run(command, check=True, cwd=_ROOT)
-    with open(out.name) as f:
-      return json.load(f)
+  flags_passed = [arg for arg in sys.argv[1:] if not arg.startswith('--json')]
+  figures, _ = harness.json_child(
+      [sys.executable, '-m', 'benchmarks.benchmark', *flags_passed, *extra_flags,
+       f'--measure={program}'] + (['--keep_freed_memory'] if keep_freed_memory else []))
+  return figures
 
 
 def time_to_accuracy(command: list[str], pattern: str) -> dict[str, float]:
@@ -214,24 +211,21 @@ def time_to_accuracy(command: list[str], pattern: str) -> dict[str, float]:
   `pattern` finds (epoch, accuracy) in the child's output lines.
   """
   start = time.perf_counter()
-  child = subprocess.Popen(command, cwd=_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)
   result = {'seconds_to_target': float('nan'), 'epochs_to_target': float('nan')}
-  for line in child.stdout:
-    match = re.search(pattern, line)
-    if match:
-      epoch, accuracy = int(match.group(1)), float(match.group(2))
-      logging.info('time to accuracy: epoch %d, eval_accuracy %.4f at %.1fs', epoch, accuracy,
-                   time.perf_counter() - start)
-      if accuracy >= FLAGS.target_accuracy:
-        result = {'seconds_to_target': time.perf_counter() - start, 'epochs_to_target': epoch}
-        child.terminate()
-        break
-  child.stdout.close()
-  _, status, usage = os.wait4(child.pid, 0)
-  if np.isnan(result['seconds_to_target']) and status != 0:
-    raise RuntimeError(f'{command} failed with status {status}.')
-  return {**result, 'peak_rss_mb_training': usage.ru_maxrss / 1024}
+
+  def reached(line: str) -> bool:
+    if not (match := re.search(pattern, line)):
+      return False
+    epoch, accuracy = int(match.group(1)), float(match.group(2))
+    logging.info('time to accuracy: epoch %d, eval_accuracy %.4f at %.1fs', epoch, accuracy,
+                 time.perf_counter() - start)
+    if accuracy < FLAGS.target_accuracy:
+      return False
+    result.update(seconds_to_target=time.perf_counter() - start, epochs_to_target=epoch)
+    return True
+
+  child = harness.run_child(command, stop=reached)
+  return {**result, 'peak_rss_mb_training': child.peak_rss_mb}
 
 
 def time_to_accuracy_runs(config) -> dict[str, dict[str, float]]:
@@ -261,34 +255,33 @@ def main(argv):
   rounds = {name: [] for name, *_ in children}
   for round_index in range(FLAGS.rounds):
     for name, program, keep_freed_memory, extra_flags in children:
-      rounds[name].append(run_child(program, keep_freed_memory, extra_flags))
+      rounds[name].append(measure_in_child(program, keep_freed_memory, extra_flags))
       logging.info('round %d %s: %.0f training examples/s', round_index + 1, name,
                    rounds[name][-1]['train_examples_per_sec'])
-  runs = {name: {key: float(np.median([figures[key] for figures in measured]))
+  runs = {name: {key: harness.median([figures[key] for figures in measured])
                  for key in measured[0]} for name, measured in rounds.items()}
   if FLAGS.time_to_accuracy:
     for name, figures in time_to_accuracy_runs(FLAGS.config).items():
       runs[name].update(figures)
 
   report = {'device': str(jax.devices()[0].device_kind), 'num_devices': jax.device_count(),
-            'cpu_count': os.cpu_count(), 'config': str(FLAGS['config'].config_filename),
-            'steps': FLAGS.steps, 'rounds': FLAGS.rounds, 'runs': runs, 'every_round': rounds}
+            'config': str(FLAGS['config'].config_filename), 'steps': FLAGS.steps,
+            'rounds': FLAGS.rounds, 'runs': runs, 'every_round': rounds}
   names = sorted({key for figures in runs.values() for key in figures})
-  print(f'\n{"median of " + str(FLAGS.rounds) + " rounds":32s}' +
-        ''.join(f'{name:>22s}' for name in runs))
-  for key in names:
-    print(f'{key:32s}' + ''.join(f'{runs[name].get(key, float("nan")):22.4g}' for name in runs))
+  print('\n' + harness.markdown_table(
+      [f'median of {FLAGS.rounds} rounds', *runs],
+      [[key, *(f'{runs[name].get(key, float("nan")):.4g}' for name in runs)] for key in names],
+      align='l' + 'r' * len(runs)))
   if FLAGS.reference:
     # Per round, so that drift between rounds cancels out of each ratio.
     speedups = [project['train_examples_per_sec'] / reference['train_examples_per_sec']
                 for project, reference in zip(rounds['project'], rounds['reference'])]
-    report['train_speedup_vs_reference'] = float(np.median(speedups))
+    report['train_speedup_vs_reference'] = harness.median(speedups)
     report['train_speedup_vs_reference_every_round'] = speedups
-    print(f'{"train speed-up vs reference":32s}{np.median(speedups):22.2f}x  (median of '
+    print(f'train speed-up vs reference: {report["train_speedup_vs_reference"]:.2f}x (median of '
           + ', '.join(f'{s:.2f}' for s in speedups) + ')')
-  print(f'on {report["device"]} x{report["num_devices"]}, {report["cpu_count"]} CPU cores')
-  with open(FLAGS.json, 'w') as f:
-    json.dump(report, f, indent=2)
+  print(f'on {report["device"]} x{report["num_devices"]}')
+  harness.write_json(FLAGS.json, report)
 
 
 if __name__ == '__main__':

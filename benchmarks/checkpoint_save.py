@@ -1,9 +1,10 @@
 """How long `CheckpointManager.save` blocks the train loop: synchronous vs Orbax's async saves.
 
-  python -m benchmarks.checkpoint_save
+  python -m benchmarks.checkpoint_save [--json=checkpoint_save.json]
 
 Saves the default CNN's training state (model + SGD momentum, 6.6 MB) 8 times, 1 s apart (the
-training between saves), and reports the blocking time of the last 7 (the first compiles).
+training between saves), and reports the blocking time of the last 7 (the first compiles);
+--json writes them (`harness.write_json`).
 """
 
 import tempfile
@@ -13,15 +14,20 @@ from core import runtime  # pylint: disable=g-bad-import-order  (first: it must 
 
 runtime.start()
 
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags  # pylint: disable=g-import-not-at-top
 from absl import logging  # pylint: disable=g-import-not-at-top
 from flax import nnx  # pylint: disable=g-import-not-at-top
 import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
+from benchmarks import harness  # pylint: disable=g-import-not-at-top
 from configs import default  # pylint: disable=g-import-not-at-top
 from data_sources import base  # pylint: disable=g-import-not-at-top
 from training import run_spec  # pylint: disable=g-import-not-at-top
 from training import state as state_lib  # pylint: disable=g-import-not-at-top
 
+FLAGS = flags.FLAGS
+flags.DEFINE_string('json', None, 'Where to write the figures (optional).')
 _SAVES = 8
 
 
@@ -42,19 +48,24 @@ def blocking_times(items: dict, enable_async: bool) -> list[float]:
   return sorted(times[1:])
 
 
-def main():
+def main(argv):
+  del argv
   logging.set_verbosity(logging.ERROR)
   run = run_spec.resolve(default.get_config())
   info = base.DatasetInfo('mnist', (28, 28, 1), 10, 60_000, 10_000)
   schedule = run.optimization.learning_rate_schedule(468)  # MNIST's steps per epoch at 128.
   items = {'state': nnx.state(state_lib.create(run.model, info, run.optimization, schedule,
                                                seed=run.seed, ema_decay=run.ema_decay))}
+  blocking_ms = {}
   for enable_async in (False, True):
-    times = blocking_times(items, enable_async)
+    times = [seconds * 1000 for seconds in blocking_times(items, enable_async)]
+    blocking_ms[f'enable_async_checkpointing={enable_async}'] = times
     print(f'enable_async_checkpointing={enable_async}: save() blocks for a median of '
-          f'{times[len(times) // 2] * 1000:.0f} ms (min {times[0] * 1000:.0f}, max '
-          f'{times[-1] * 1000:.0f}) over {len(times)} saves')
+          f'{harness.median(times):.0f} ms (min {times[0]:.0f}, max {times[-1]:.0f}) over '
+          f'{len(times)} saves')
+  if FLAGS.json:
+    harness.write_json(FLAGS.json, {'saves_timed': _SAVES - 1, 'blocking_ms': blocking_ms})
 
 
 if __name__ == '__main__':
-  main()
+  app.run(main)

@@ -5,10 +5,9 @@ default evaluators, and all of them, side by side.
 
 The default CNN (as initialised: the cost does not depend on the weights) is evaluated in one
 process, the evaluator sets alternating round by round; the table shows each set's median
-seconds per eval pass and its cost over accuracy alone.
+seconds per eval pass and its cost over accuracy alone; --json writes them
+(`harness.write_json`).
 """
-
-import time
 
 from core import runtime  # pylint: disable=g-bad-import-order  (first: it must precede tensorflow)
 
@@ -18,8 +17,8 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
 import jax  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-import numpy as np  # pylint: disable=g-import-not-at-top
 
+from benchmarks import harness  # pylint: disable=g-import-not-at-top
 import input_pipeline  # pylint: disable=g-import-not-at-top
 from training import evaluation  # pylint: disable=g-import-not-at-top
 from training import evaluators  # pylint: disable=g-import-not-at-top
@@ -30,6 +29,7 @@ from training import state as state_lib  # pylint: disable=g-import-not-at-top
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config to evaluate with.')
 flags.DEFINE_integer('rounds', 5, 'Alternating rounds; figures are medians.')
+flags.DEFINE_string('json', None, 'Where to write the figures (optional).')
 SETS = {'accuracy': 'accuracy',
         'loss|accuracy': 'loss|accuracy',
         'default': None,  # config.evaluators
@@ -61,14 +61,18 @@ def main(argv):
   seconds = {name: [] for name in runs}
   for _ in range(FLAGS.rounds):
     for name, evaluating in runs.items():
-      start = time.perf_counter()
-      evaluating.run(state.eval_model(), batches, data.info)
-      seconds[name].append(time.perf_counter() - start)
-  base = np.median(seconds['accuracy'])
-  print(f'{"evaluators":16s} {"s per pass":>11s} {"vs accuracy":>12s}   '
-        f'({num_examples} examples, median of {FLAGS.rounds})')
-  for name, times in seconds.items():
-    print(f'{name:16s} {np.median(times):11.3f} {np.median(times) / base - 1:+11.1%}')
+      seconds[name] += harness.time_calls(
+          lambda evaluating=evaluating: evaluating.run(state.eval_model(), batches, data.info), 1)
+  medians = {name: harness.median(times) for name, times in seconds.items()}
+  print(f'{num_examples} examples, median of {FLAGS.rounds} rounds:')
+  print(harness.markdown_table(
+      ['evaluators', 's per pass', 'vs accuracy'],
+      [[name, f'{median:.3f}', f'{median / medians["accuracy"] - 1:+.1%}']
+       for name, median in medians.items()], align='lrr'))
+  if FLAGS.json:
+    harness.write_json(FLAGS.json, {'examples': num_examples, 'rounds': FLAGS.rounds,
+                                    'evaluators': SETS, 'seconds_per_pass': medians,
+                                    'every_round': seconds})
 
 
 if __name__ == '__main__':

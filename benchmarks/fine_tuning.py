@@ -24,22 +24,24 @@ size/0.875 and the centre crop):
   probe      the same with `--config.linear_probe=True --config.learning_rate=0.01`;
   random_probe  a linear probe on the random features of a fresh model (no init_from).
 Prints a table (held-out accuracy after the last epoch, its steps, the run's wall time start-up
-included) and writes `--out` (JSON: the figures, the commands, the machine). `--concurrent`
+included) and writes `--out` (`harness.write_json`: the figures and each arm's command).
+`--concurrent`
 trains the target arms at once (less time in all on a machine with cores to spare; each arm's
 wall time then includes the others'); `--keep_pretrained` reuses a finished pretraining.
 """
 
+import concurrent.futures
 import json
 import os
-import platform
+import shlex
 import shutil
-import subprocess
 import sys
 import time
 
 from absl import app
 from absl import flags
 
+from benchmarks import harness
 from benchmarks import timm_training
 from configs import finetune
 from data_sources import generated
@@ -73,7 +75,6 @@ flags.DEFINE_enum('pretrain_with', 'app', ['app', 'timm'], 'Who pretrains: this 
 flags.DEFINE_bool('keep_pretrained', False, 'Reuse <work>/runs/pretrain if it finished.')
 flags.DEFINE_string('out', None, 'A JSON file for the figures (optional).')
 flags.mark_flags_as_required(['work'])
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHOTO_SIZES = (180, 320)
 STANDARDIZE = 'standardize(per_channel=True, polarity=True)'
 # The target arms: their flags on top of the common ones ({pretrained}: the pretrain workdir).
@@ -96,8 +97,8 @@ def make_task(root: str, kind: str, seed: int, train_images: int, test_images: i
 
 def command(root: str, workdir: str, epochs: int, extra: list[str]) -> list[str]:
   """The main.py run of configs/finetune.py on `root` with the common overrides."""
-  return [sys.executable, os.path.join(ROOT, 'main.py'),
-          f'--config={os.path.join(ROOT, "configs", "finetune.py")}', f'--workdir={workdir}',
+  return [sys.executable, 'main.py',
+          '--config=configs/finetune.py', f'--workdir={workdir}',
           f'--config.dataset={root}', '--config.train_split=train', '--config.eval_split=test',
           f'--config.model={FLAGS.model}', f'--config.num_epochs={epochs}',
           f'--config.preprocess=random_resized_crop({FLAGS.size}, scale=(0.35, 1.0))|flip_lr|'
@@ -166,36 +167,18 @@ def pretrain_in_timm(root: str, weights: str) -> dict:
   return figures
 
 
-def last_eval(workdir: str) -> dict:
-  """The held-out accuracy after the last epoch and its step, from the run's metrics.jsonl."""
-  last = {}
-  with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as file:
-    for line in file:
-      record = json.loads(line)
-      if 'eval/accuracy' in record:
-        last = {'accuracy': record['eval/accuracy'], 'steps': record['step']}
-  return last
-
-
-def start(name: str, root: str, epochs: int, extra: list[str]) -> dict:
-  """Starts training one arm in <work>/runs/<name> (a fresh workdir), its output in <name>.log."""
+def train_arm(name: str, root: str, epochs: int, extra: list[str]) -> dict:
+  """Trains one arm in <work>/runs/<name> (a fresh workdir): its figures and command (also in
+  <workdir>.json)."""
   workdir = os.path.join(FLAGS.work, 'runs', name)
   shutil.rmtree(workdir, ignore_errors=True)
   args = command(root, workdir, epochs, extra)
-  with open(workdir + '.log', 'w', encoding='utf-8') as log:
-    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-  return {'arm': name, 'workdir': workdir, 'epochs': epochs, 'args': args,
-          'process': process, 'started': time.time()}
-
-
-def finish(run: dict) -> dict:
-  """Waits for a started arm: its figures and command (also in <workdir>.json)."""
-  if run['process'].wait():
-    raise RuntimeError(f'{run["arm"]} failed: see {run["workdir"]}.log')
-  figures = {'arm': run['arm'], **last_eval(run['workdir']), 'epochs': run['epochs'],
-             'wall_s': round(time.time() - run['started'], 1),
-             'command': ' '.join(run['args']).replace(sys.executable, 'python')}
-  with open(run['workdir'] + '.json', 'w', encoding='utf-8') as file:
+  child = harness.run_child(args)
+  last_eval = [values for values in harness.read_metrics(workdir) if 'eval/accuracy' in values][-1]
+  figures = {'arm': name, 'accuracy': last_eval['eval/accuracy'], 'steps': last_eval['step'],
+             'epochs': epochs, 'wall_s': round(child.seconds, 1),
+             'command': shlex.join(['python', *args[1:]])}
+  with open(workdir + '.json', 'w', encoding='utf-8') as file:
     json.dump(figures, file)
   print(json.dumps(figures), flush=True)
   return figures
@@ -223,34 +206,26 @@ def main(argv):
       json.dump(rows[0], file)
   else:
     rate = FLAGS.pretrain_learning_rate
-    rows = [finish(start('pretrain', source, FLAGS.pretrain_epochs,
-                         [] if rate is None else [f'--config.learning_rate={rate}']))]
-  arms = [lambda arm=arm: start(arm, target, FLAGS.epochs,
-                                [flag.format(pretrained=pretrained) for flag in ARMS[arm]])
-          for arm in FLAGS.arms]
-  if FLAGS.concurrent:
-    started = [arm() for arm in arms]
-    rows += [finish(run) for run in started]
-  else:
-    rows += [finish(arm()) for arm in arms]
+    rows = [train_arm('pretrain', source, FLAGS.pretrain_epochs,
+                      [] if rate is None else [f'--config.learning_rate={rate}'])]
+  train_target = lambda arm: train_arm(arm, target, FLAGS.epochs,
+                                       [flag.format(pretrained=pretrained) for flag in ARMS[arm]])
+  with concurrent.futures.ThreadPoolExecutor(max(len(FLAGS.arms), 1) if FLAGS.concurrent
+                                             else 1) as pool:
+    rows += list(pool.map(train_target, FLAGS.arms))
   print(f'\n{FLAGS.model} at {FLAGS.size} px; source {FLAGS.source} ({FLAGS.source_images} '
         f'images), target {FLAGS.target} ({FLAGS.target_images}); {FLAGS.test_images} test '
         'images each')
-  print('| run | task | held-out accuracy | steps | wall time (s) |\n'
-        '| --- | --- | --- | --- | --- |')
-  for row in rows:
-    task = FLAGS.source if row['arm'] == 'pretrain' else FLAGS.target
-    print(f'| {row["arm"]} | {task} | {100 * row["accuracy"]:.2f}% | {row["steps"]} | '
-          f'{row["wall_s"]:.0f} |')
+  print(harness.markdown_table(
+      ['run', 'task', 'held-out accuracy', 'steps', 'wall time (s)'],
+      [[row['arm'], FLAGS.source if row['arm'] == 'pretrain' else FLAGS.target,
+        f'{100 * row["accuracy"]:.2f}%', row['steps'], f'{row["wall_s"]:.0f}'] for row in rows],
+      align='llrrr'))
   if FLAGS.out:
-    with open(FLAGS.out, 'w', encoding='utf-8') as file:
-      json.dump({'model': FLAGS.model, 'size': FLAGS.size, 'pretrain_with': FLAGS.pretrain_with,
-                 'source': FLAGS.source,
-                 'target': FLAGS.target, 'source_images': FLAGS.source_images,
-                 'target_images': FLAGS.target_images, 'test_images': FLAGS.test_images,
-                 'machine': f'{platform.processor() or platform.machine()}, '
-                            f'{os.cpu_count()} cores',
-                 'runs': rows}, file, indent=2)
+    harness.write_json(FLAGS.out, {
+        'model': FLAGS.model, 'size': FLAGS.size, 'pretrain_with': FLAGS.pretrain_with,
+        'source': FLAGS.source, 'target': FLAGS.target, 'source_images': FLAGS.source_images,
+        'target_images': FLAGS.target_images, 'test_images': FLAGS.test_images, 'runs': rows})
 
 
 if __name__ == '__main__':

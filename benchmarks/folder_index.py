@@ -4,18 +4,17 @@
 
 Writes `--files` small PNGs (8x8, `train/<class>/`, 10 classes) under `--root` unless it is
 already there, deletes the folder's index, then opens the folder three times, each in a fresh
-process under `/usr/bin/time -v`: with no index (every header read, the index written), again
+process (`harness.json_child`): with no index (every header read, the index written), again
 (from the index), and after one file was touched (one header read again). For each it prints the
 seconds `FolderSource(root)` took, the process's wall time and peak RSS, and the RSS that the
 open added to the process after its imports, per file; the open's CPU seconds (all threads) say
-more than its wall time on a busy machine (docs/own_data.md).
+more than its wall time on a busy machine (docs/own_data.md). --json writes them
+(`harness.write_json`).
 """
 
 import json
 import os
-import re
 import resource
-import subprocess
 import sys
 import time
 
@@ -28,6 +27,7 @@ from absl import flags
 import numpy as np
 from PIL import Image
 
+from benchmarks import harness
 from data_sources import folder_source
 from data_sources import image_files
 
@@ -35,7 +35,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string('root', '/tmp/folder_index_100k', 'The image folder (written if absent).')
 flags.DEFINE_integer('files', 100_000, 'Number of images to write.')
 flags.DEFINE_integer('classes', 10, 'Number of class folders.')
-flags.DEFINE_bool('open_once', False, 'Internal: open the folder once and print the figures.')
+flags.DEFINE_string('json', None, 'Where to write the figures (optional).')
+flags.DEFINE_bool('open_once', False, 'Internal: open the folder once and write its figures to '
+                  '--json.')
 _VARIANTS = 256  # Distinct encoded images, written over and over: encoding each is the slow part.
 
 
@@ -60,35 +62,29 @@ def _generate(root: str, files: int, classes: int) -> None:
       file.write(variants[index % _VARIANTS])
 
 
-def _open_once(root: str) -> None:
-  """Opens `root` as training does and prints the figures as one JSON line."""
+def _open_once(root: str) -> dict:
+  """Opens `root` as training does: the open's seconds, CPU seconds, files and added RSS."""
   before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
   start, start_cpu = time.perf_counter(), time.process_time()
   source = folder_source.FolderSource(root)
   seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
   after_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-  print(json.dumps({'open_s': seconds, 'open_cpu_s': cpu_seconds,
-                    'files': source.num_examples('train'),
-                    'rss_added_mb': (after_kb - before_kb) / 1024}))
+  return {'open_s': seconds, 'open_cpu_s': cpu_seconds, 'files': source.num_examples('train'),
+          'rss_added_mb': (after_kb - before_kb) / 1024}
 
 
 def _timed_open(root: str) -> dict:
-  """`_open_once` in a fresh process under /usr/bin/time -v: its figures, wall time, peak RSS."""
-  result = subprocess.run(['/usr/bin/time', '-v', sys.executable, '-m', 'benchmarks.folder_index',
-                           f'--root={root}', '--open_once'], capture_output=True, text=True,
-                          check=True)
-  figures = json.loads(result.stdout.strip().splitlines()[-1])
-  peak_kb = re.search(r'Maximum resident set size \(kbytes\): (\d+)', result.stderr).group(1)
-  wall = re.search(r'Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)', result.stderr)
-  return {**figures, 'peak_rss_mb': int(peak_kb) / 1024,
-          'wall_s': sum(float(part) * 60**power
-                        for power, part in enumerate(reversed(wall.group(1).split(':'))))}
+  """`_open_once` in a fresh process: its figures, the process's wall time and peak RSS."""
+  figures, child = harness.json_child(
+      [sys.executable, '-m', 'benchmarks.folder_index', f'--root={root}', '--open_once'])
+  return {**figures, 'peak_rss_mb': child.peak_rss_mb, 'wall_s': child.seconds}
 
 
 def main(argv):
   del argv
   if FLAGS.open_once:
-    _open_once(FLAGS.root)
+    with open(FLAGS.json, 'w', encoding='utf-8') as file:
+      json.dump(_open_once(FLAGS.root), file)
     return
   if not os.path.isdir(FLAGS.root):
     start = time.perf_counter()
@@ -103,13 +99,15 @@ def main(argv):
   os.utime(image_files.find_files(os.path.join(FLAGS.root, 'train', 'class_0'))[0])
   runs['one file touched'] = _timed_open(FLAGS.root)
   print(f'Index: {index} ({index_mb:.1f} MB).')
-  print('| open | files | open (s) | open, CPU (s) | process wall (s) | peak RSS (MB) | '
-        'RSS added by the open (MB) | per file (bytes) |')
-  for name, run in runs.items():
-    print(f'| {name} | {run["files"]:,} | {run["open_s"]:.1f} | {run["open_cpu_s"]:.1f} | '
-          f'{run["wall_s"]:.1f} | '
-          f'{run["peak_rss_mb"]:,.0f} | {run["rss_added_mb"]:.0f} | '
-          f'{run["rss_added_mb"] * 2**20 / run["files"]:,.0f} |')
+  print(harness.markdown_table(
+      ['open', 'files', 'open (s)', 'open, CPU (s)', 'process wall (s)', 'peak RSS (MB)',
+       'RSS added by the open (MB)', 'per file (bytes)'],
+      [[name, f'{run["files"]:,}', f'{run["open_s"]:.1f}', f'{run["open_cpu_s"]:.1f}',
+        f'{run["wall_s"]:.1f}', f'{run["peak_rss_mb"]:,.0f}', f'{run["rss_added_mb"]:.0f}',
+        f'{run["rss_added_mb"] * 2**20 / run["files"]:,.0f}'] for name, run in runs.items()],
+      align='lrrrrrrr'))
+  if FLAGS.json:
+    harness.write_json(FLAGS.json, {'root': FLAGS.root, 'index_mb': index_mb, 'runs': runs})
 
 
 if __name__ == '__main__':

@@ -18,13 +18,12 @@ With config.preprocess left empty, the app runs --preprocess, the equivalent of 
 transforms. --make_folder=N first writes N generated JPEGs of 180-320 px in 10 classes to
 ROOT/train (data_sources/generated.py's digits) when ROOT does not exist.
 
-Printed: the CPU (model, AVX2/AVX-512/AMX), the usable cores, the load average before and
-after, one line per epoch, and a summary whose last line ends with `<N> images/s` (the app's
-last epoch).
+Printed: the machine (CPU model, AVX2/AVX-512/AMX, cores), the load average before and after,
+one line per epoch, and a summary of every epoch's images/s whose last line is the app's last
+epoch (`<name>: <N> images/s`); --json writes them (`harness.write_json`).
 """
 
 import os
-import subprocess
 import time
 
 from absl import app
@@ -32,6 +31,7 @@ from absl import flags
 from ml_collections import config_flags
 import numpy as np
 
+from benchmarks import harness
 from data_sources import generated
 
 FLAGS = flags.FLAGS
@@ -44,19 +44,10 @@ flags.DEFINE_integer('make_folder', 0, 'Generate this many JPEGs in ROOT/train f
                      'does not exist.', lower_bound=0)
 flags.DEFINE_bool('torch', True, 'Also time PyTorch (needs torch and torchvision).')
 flags.DEFINE_bool('grain', True, 'Also time a Grain pipeline (needs grain and torchvision).')
+flags.DEFINE_string('json', None, 'Where to write the figures (optional).')
 
 IMAGE_SIZES = (180, 320)  # Height and width of the generated photos, each.
-ISA = ('avx2', 'avx512', 'amx')  # The prefixes of the lscpu flags printed.
-
-
-def cpu_line() -> str:
-  """lscpu's model name and its AVX2/AVX-512/AMX flags, and the usable cores."""
-  fields = dict(line.split(':', 1) for line in subprocess.run(
-      ['lscpu'], capture_output=True, text=True, check=False).stdout.splitlines() if ':' in line)
-  flags_ = [flag for flag in fields.get('Flags', '').split() if flag.startswith(ISA)]
-  model = fields.get('Model name', 'unknown').strip()
-  return (f'CPU: {model}; ISA: {" ".join(flags_) or "no AVX2/AVX-512/AMX"}; '
-          f'{len(os.sched_getaffinity(0))} usable cores')
+WORKERS = len(os.sched_getaffinity(0))  # The peers' worker processes: the usable cores.
 
 
 def app_epochs(config):
@@ -100,7 +91,7 @@ def torch_epochs(root: str, split: str, batch_size: int, size: int):
   # Workers from a fork server, kept across epochs: forked from this process, whose TensorFlow
   # and JAX threads may hold locks, a worker can deadlock.
   loader = torch_data.DataLoader(folder, batch_size=batch_size, shuffle=True, drop_last=True,
-                                 num_workers=len(os.sched_getaffinity(0)),
+                                 num_workers=WORKERS,
                                  multiprocessing_context='forkserver', persistent_workers=True,
                                  generator=torch.Generator().manual_seed(0))
   epoch = 0
@@ -146,7 +137,7 @@ def grain_epochs(root: str, split: str, batch_size: int, size: int, epochs: int)
              # Grain's default (16 threads, 500 ahead) would fill its buffer while the others run.
              .to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
              .mp_prefetch(grain.MultiprocessingOptions(
-                 num_workers=len(os.sched_getaffinity(0)))))
+                 num_workers=WORKERS)))
   batches = iter(batches)
   for epoch in range(1, epochs + 1):
     start = time.perf_counter()
@@ -165,8 +156,9 @@ def main(argv):
   if FLAGS.make_folder and not os.path.exists(root):
     generated.make_kind_folder(root, 'digits', num_images=FLAGS.make_folder,
                                image_sizes=IMAGE_SIZES, messy=False, formats=('JPEG',))
-  print(cpu_line())
-  print(f'load average at the start: {" ".join(f"{v:.2f}" for v in os.getloadavg())}')
+  print(harness.machine_line(harness.machine()))
+  load_at_start = os.getloadavg()
+  print(f'load average at the start: {" ".join(f"{v:.2f}" for v in load_at_start)}')
   print(f'this app: config.preprocess={config.preprocess!r}, batch {config.batch_size}, '
         f'in_memory={config.in_memory!r}, decoded_cache={config.decoded_cache!r}')
   size, ours = app_epochs(config)
@@ -181,7 +173,7 @@ def main(argv):
       peers['PyTorch DataLoader'] = torch_epochs(root, split, config.batch_size, size)
       print(f'PyTorch: ImageFolder({root}/{split}), RandomResizedCrop({size}), '
             f'RandomHorizontalFlip, ToTensor, Normalize, DataLoader(num_workers='
-            f'{len(os.sched_getaffinity(0))})')
+            f'{WORKERS})')
   if FLAGS.grain:
     try:
       import grain  # pylint: disable=g-import-not-at-top,unused-import
@@ -192,11 +184,12 @@ def main(argv):
       peers['Grain'] = grain_epochs(root, split, config.batch_size, size, config.num_epochs)
       print(f'Grain: MapDataset of {root}/{split} file names, PIL decoding, torchvision\'s '
             f'RandomResizedCrop({size}) and flip, uint8 batches, mp_prefetch(num_workers='
-            f'{len(os.sched_getaffinity(0))})')
+            f'{WORKERS})')
   rows = []
 
   def report(name: str, images: int, seconds: float) -> None:
-    rows.append((name, images / seconds))
+    rows.append({'pipeline': name, 'images': images, 'seconds': seconds,
+                 'images_per_sec': images / seconds})
     print(f'{name}: {images} images in {seconds:.1f} s, {images / seconds:.0f} images/s',
           flush=True)
 
@@ -208,9 +201,14 @@ def main(argv):
       peer_epoch, images, seconds = next(epochs)
       report(f'{name}, epoch {peer_epoch}', images, seconds)
   print(f'load average at the end: {" ".join(f"{v:.2f}" for v in os.getloadavg())}')
-  rows.sort(key=lambda row: row[0].startswith('this app'))  # The app's last epoch last.
-  for name, rate in rows:
-    print(f'{name}: {rate:.0f} images/s')
+  rows.sort(key=lambda row: row['pipeline'].startswith('this app'))  # The app's last epoch last.
+  for row in rows:
+    print(f'{row["pipeline"]}: {row["images_per_sec"]:.0f} images/s')
+  if FLAGS.json:
+    harness.write_json(FLAGS.json, {
+        'preprocess': config.preprocess, 'batch_size': config.batch_size,
+        'decoded_cache': config.decoded_cache, 'load_at_start': load_at_start,
+        'load_at_end': os.getloadavg(), 'rows': rows})
 
 
 if __name__ == '__main__':

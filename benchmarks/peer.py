@@ -27,15 +27,13 @@ of the CPU's limit its train step reaches: FLOPs per example x examples/s, over 
 the project's compute_dtype=bfloat16, float32 for the rest). FLOPs per example of one train
 step, forward and backward: PyTorch's `FlopCounterMode` (counts convolutions and matmuls only),
 XLA's cost analysis for JAX (every op), as `benchmarks/benchmark.py` counts them, here of an
-SGD step of `models.CNN` built from each configuration's layers. benchmark.py's own functions
-are not imported: it defines flags of the same names (--json, --rounds) and imports TensorFlow
-and the training code. The matmul peaks and FLOPs are measured each round in two more children,
-one per library, so that neither library's CUDA or thread pools meet the other's.
+SGD step of `models.CNN` built from each configuration's layers. The matmul peaks and FLOPs
+are measured each round in one more child per library run, so that neither library's CUDA or
+thread pools meet the other's.
 
-The first line printed, and the JSON, name the CPU model and its ISA features (AVX2, AVX-512,
-AVX512-BF16, AMX) with the core count and library versions: bfloat16 speed on CPU hangs on
-them (without AVX512-BF16 or AMX, PyTorch's bfloat16 matmuls can run 100x slower than float32),
-so figures from different machines must never be mixed.
+The first line printed, and the JSON (`harness.write_json`), name the CPU model and its ISA
+features (AVX2, AVX-512, AVX512-BF16, AMX) with the core count and library versions: bfloat16
+speed on CPU hangs on them, so figures from different machines must never be mixed.
 
 GPU (--device=cuda): the PyTorch children train on CUDA and the project runs with its stock
 layers (cpu_kernels=off) on JAX's GPU backend (the venv needs jax[cuda]); default
@@ -50,44 +48,45 @@ written on a machine without a GPU):
 
 import collections
 import dataclasses
-import importlib.metadata
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 
 from absl import app
 from absl import flags
 from absl import logging
 
-FLAGS = flags.FLAGS
-flags.DEFINE_integer('rounds', 3, 'Alternating rounds of every configuration; figures are medians.',
-                     lower_bound=1)
-flags.DEFINE_integer('epochs', 2, 'Epochs each configuration trains for.', lower_bound=1)
-flags.DEFINE_list('variants', None, 'Configurations to run (default: all for --device): '
-                  'torch_{eager,autocast_bf16,compile,channels_last}, '
-                  'project_{auto,off}_{float32,bfloat16}.')
-flags.DEFINE_enum('device', 'cpu', ['cpu', 'cuda'], 'Where PyTorch and JAX train.')
-flags.DEFINE_string('mnist_dir', None, 'Directory of the four original MNIST .gz files for the '
-                    'PyTorch peer (default: $TFDS_DATA_DIR/downloads/manual).')
-flags.DEFINE_integer('train_examples', None, 'Train on the first N training images (default: '
-                     'all): for quick checks; the figures are for the whole split.')
-flags.DEFINE_string('json', None, 'Where to write the figures.')
-flags.mark_flag_as_required('json')
-# Internal: a child that measures one library's matmul peaks and FLOPs per example.
-flags.DEFINE_enum('measure', None, ['torch', 'jax'], "Measure one library's figures, in-process.")
+from benchmarks import harness
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = flags.FLAGS
 BATCH_SIZE = 128  # configs/default.py's and the PyTorch peer's.
-MATMUL_SIZE = 2048
-ISA_FEATURES = ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16', 'amx_tile')
 # metrics.jsonl keys of an epoch end, and their names here.
 _EPOCH_KEYS = {'epoch': 'epoch', 'train/examples_per_sec': 'train_examples_per_sec',
                'eval/accuracy': 'eval_accuracy'}
+
+
+def define_flags() -> None:
+  """The command line's flags: defined when run, not at import (tests import the module
+  beside other benchmarks, whose flags share names)."""
+  flags.DEFINE_integer('rounds', 3, 'Alternating rounds of every configuration; figures are '
+                       'medians.', lower_bound=1)
+  flags.DEFINE_integer('epochs', 2, 'Epochs each configuration trains for.', lower_bound=1)
+  flags.DEFINE_list('variants', None, 'Configurations to run (default: all for --device): '
+                    'torch_{eager,autocast_bf16,compile,channels_last}, '
+                    'project_{auto,off}_{float32,bfloat16}.')
+  flags.DEFINE_enum('device', 'cpu', ['cpu', 'cuda'], 'Where PyTorch and JAX train.')
+  flags.DEFINE_string('mnist_dir', None, 'Directory of the four original MNIST .gz files for the '
+                      'PyTorch peer (default: $TFDS_DATA_DIR/downloads/manual).')
+  flags.DEFINE_integer('train_examples', None, 'Train on the first N training images (default: '
+                       'all): for quick checks; the figures are for the whole split.')
+  flags.DEFINE_integer('matmul_size', harness.MATMUL_SIZE, "Side of the square matmul whose "
+                       "FLOP/s is each library's peak (small: quick checks).", lower_bound=1)
+  flags.DEFINE_string('json', None, 'Where to write the figures.')
+  flags.mark_flag_as_required('json')
+  # Internal: a child that measures one library's matmul peaks and FLOPs per example.
+  flags.DEFINE_enum('measure', None, ['torch', 'jax'],
+                    "Measure one library's figures, in-process.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,74 +120,11 @@ DEFAULT_VARIANTS = {
              'project_off_bfloat16']}
 
 
-def parse_cpuinfo(cpuinfo: str) -> dict[str, str | bool]:
-  """The CPU's model name and which of ISA_FEATURES it has, from /proc/cpuinfo's text."""
-  fields = {}
-  for line in cpuinfo.splitlines():
-    key, colon, value = line.partition(':')
-    if colon:
-      fields.setdefault(key.strip(), value.strip())  # The first processor's.
-  features = set(fields.get('flags', fields.get('Features', '')).split())  # x86; Arm.
-  return {'cpu_model': fields.get('model name', 'unknown'),
-          **{feature: feature in features for feature in ISA_FEATURES}}
-
-
-def machine_info() -> dict[str, str | int | bool | None]:
-  """The CPU (parse_cpuinfo), its cores and the library versions, without importing them."""
-  try:
-    with open('/proc/cpuinfo') as f:
-      cpu = parse_cpuinfo(f.read())
-  except OSError:
-    cpu = parse_cpuinfo('')
-
-  def version(package):
-    try:
-      return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-      return None
-
-  return {**cpu, 'cpu_count': os.cpu_count(), 'usable_cores': len(os.sched_getaffinity(0)),
-          'torch': version('torch'), 'jax': version('jax'), 'jaxlib': version('jaxlib')}
-
-
-def machine_line(machine: dict) -> str:
-  """One line naming the CPU, its ISA features, cores and library versions."""
-  features = ', '.join(f'{feature} {"yes" if machine[feature] else "no"}'
-                       for feature in ISA_FEATURES)
-  return (f'CPU: {machine["cpu_model"]}; {features}; {machine["usable_cores"]} cores usable '
-          f'({machine["cpu_count"]} online); torch {machine["torch"]}, jax {machine["jax"]}')
-
-
-def read_metrics(path: str) -> list[dict[str, float]]:
-  """Every epoch end's figures from a `main.py` run's metrics.jsonl, in order.
-
-  The file holds one JSON object per line, each with an integer "step" and scalar metrics; the
-  lines of one step are merged. An epoch end is a step whose lines carry "epoch",
-  "train/examples_per_sec" (training steps only) and "eval/accuracy".
-  """
-  steps = collections.defaultdict(dict)
-  with open(path) as f:
-    for line in f:
-      if line.strip():
-        record = json.loads(line)
-        steps[record['step']].update(record)
-  return [{'step': step, **{name: merged[key] for key, name in _EPOCH_KEYS.items()}}
-          for step, merged in sorted(steps.items()) if _EPOCH_KEYS.keys() <= merged.keys()]
-
-
-def best_seconds(fn: Callable[[], object], repeats: int = 10, budget_s: float = 10.0) -> float:
-  """Seconds of the fastest of up to `repeats` calls of `fn` (which must block until done).
-
-  The first call, a warm-up, counts too (the fastest is never it unless all are as slow), and
-  the calls stop once they took `budget_s` in all: a bfloat16 matmul on a CPU without bfloat16
-  instructions can take a minute.
-  """
-  times = []
-  while len(times) < repeats and sum(times) < budget_s:
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return min(times)
+def epoch_ends(workdir: str) -> list[dict[str, float]]:
+  """Every epoch end's figures from a `main.py` run's metrics.jsonl, in order: the steps whose
+  writes carry "epoch", "train/examples_per_sec" (training steps only) and "eval/accuracy"."""
+  return [{'step': values['step'], **{name: values[key] for key, name in _EPOCH_KEYS.items()}}
+          for values in harness.read_metrics(workdir) if _EPOCH_KEYS.keys() <= values.keys()]
 
 
 def matmuls_per_timing(device: str) -> int:
@@ -208,8 +144,8 @@ def measure_torch(device: str) -> dict:
   device = torch.device(device)
 
   def matmul_flops_per_sec(dtype):
-    a = torch.ones(MATMUL_SIZE, MATMUL_SIZE, dtype=dtype, device=device)
-
+    size = FLAGS.matmul_size
+    a = torch.ones(size, size, dtype=dtype, device=device)
     calls = matmuls_per_timing(device.type)
 
     def matmuls():
@@ -217,7 +153,7 @@ def measure_torch(device: str) -> dict:
         a @ a  # pylint: disable=pointless-statement
       pytorch_mnist.synchronize(device)
 
-    return calls * 2 * MATMUL_SIZE**3 / best_seconds(matmuls)
+    return calls * 2 * size**3 / harness.best_seconds(matmuls, repeats=10, budget_s=10.0)
 
   model = pytorch_mnist.CNN().to(device)
   images = torch.zeros(BATCH_SIZE, 1, 28, 28, device=device)
@@ -244,18 +180,6 @@ def measure_jax(device: str, configurations: list[Configuration]) -> dict:
   import models
   # pylint: enable=g-import-not-at-top
 
-  def matmul_flops_per_sec(dtype):
-    a = jnp.ones((MATMUL_SIZE, MATMUL_SIZE), dtype)
-    matmul = jax.jit(lambda a: a @ a)
-    calls = matmuls_per_timing(device)
-
-    def matmuls():
-      for _ in range(calls - 1):
-        matmul(a)  # Queued: JAX dispatches asynchronously.
-      matmul(a).block_until_ready()
-
-    return calls * 2 * MATMUL_SIZE**3 / best_seconds(matmuls)
-
   @nnx.jit
   def train_step(model, optimizer, images, labels):
     def loss_fn(model):
@@ -272,43 +196,26 @@ def measure_jax(device: str, configurations: list[Configuration]) -> dict:
     cost = train_step.lower(model, optimizer, images, labels).compile().cost_analysis()
     return float(cost['flops']) / BATCH_SIZE
 
-  return {'matmul_gflops': {'float32': matmul_flops_per_sec(jnp.float32) / 1e9,
-                            'bfloat16': matmul_flops_per_sec(jnp.bfloat16) / 1e9},
+  calls = matmuls_per_timing(device)
+  return {'matmul_gflops': {
+              dtype: harness.matmul_flops_per_sec(dtype, FLAGS.matmul_size, calls) / 1e9
+              for dtype in ('float32', 'bfloat16')},
           'flops_per_example': {c.name: flops_per_example(c) for c in configurations},
           'device_name': jax.devices()[0].device_kind}
 
 
-def child_env(library: str, workdir: str) -> dict[str, str]:
-  """The environment of a child of `library` ('torch' or 'jax') working in `workdir`."""
-  if library == 'torch':
-    # A fresh inductor cache: torch.compile compiles cold in every child, as JAX does.
-    return {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': os.path.join(workdir, 'inductor')}
-  # A JAX without its CUDA plugin would otherwise run the 'cuda' configurations on the CPU.
-  return {**os.environ, 'JAX_PLATFORMS': FLAGS.device}
-
-
-def run_child(command: list[str], env: dict[str, str]) -> float:
-  """Runs `command` from the repository root; returns the seconds from spawn to exit."""
-  start = time.perf_counter()
-  result = subprocess.run(command, cwd=_ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-  seconds = time.perf_counter() - start
-  if result.returncode:
-    raise RuntimeError(f'{" ".join(command)} failed with status {result.returncode}; its output '
-                       f'ends:\n{result.stdout[-3000:]}')
-  return seconds
+def child_env(library: str) -> dict[str, str] | None:
+  """The environment of a child of `library` ('torch' or 'jax')."""
+  return harness.jax_child_env(FLAGS.device) if library == 'jax' else None
 
 
 def measure_library(library: str, configurations: list[Configuration]) -> dict:
   """`measure_torch` or `measure_jax` (for the project `configurations`) in a fresh child."""
-  with tempfile.TemporaryDirectory() as workdir:
-    out = os.path.join(workdir, 'figures.json')
-    run_child([sys.executable, '-m', 'benchmarks.peer', f'--measure={library}',
-               f'--device={FLAGS.device}', f'--json={out}',
-               f'--variants={",".join(c.name for c in configurations)}'],
-              child_env(library, workdir))
-    with open(out) as f:
-      return json.load(f)
+  figures, _ = harness.json_child(
+      [sys.executable, '-m', 'benchmarks.peer', f'--measure={library}', f'--device={FLAGS.device}',
+       f'--matmul_size={FLAGS.matmul_size}',
+       f'--variants={",".join(c.name for c in configurations)}'], child_env(library))
+  return figures
 
 
 def mnist_dir() -> str:
@@ -321,38 +228,28 @@ def mnist_dir() -> str:
 
 def run_configuration(configuration: Configuration) -> dict:
   """Trains `configuration` in a fresh child; its figures per epoch and of the last epoch."""
-  with tempfile.TemporaryDirectory() as workdir:
-    if configuration.library == 'torch':
-      out = os.path.join(workdir, 'figures.json')
-      subset = [f'--train_examples={FLAGS.train_examples}'] if FLAGS.train_examples else []
-      command = [sys.executable, '-m', 'benchmarks.pytorch_mnist', *configuration.child_flags,
-                 f'--epochs={FLAGS.epochs}', f'--mnist_dir={mnist_dir()}',
-                 f'--device={FLAGS.device}', f'--json={out}', *subset]
-    else:
-      out = os.path.join(workdir, 'metrics.jsonl')
-      subset = ([f'--config.train_split=train[:{FLAGS.train_examples}]']
-                if FLAGS.train_examples else [])
-      command = [sys.executable, 'main.py', '--config=configs/default.py',
-                 f'--workdir={workdir}', f'--config.num_epochs={FLAGS.epochs}',
-                 *configuration.child_flags, *subset]
-    seconds = run_child(command, child_env(configuration.library, workdir))
-    if configuration.library == 'torch':
-      with open(out) as f:
-        child = json.load(f)
-      epochs = child.pop('epochs')
-    else:
-      child, epochs = {}, read_metrics(out)
+  if configuration.library == 'torch':
+    subset = [f'--train_examples={FLAGS.train_examples}'] if FLAGS.train_examples else []
+    child, process = harness.json_child(
+        [sys.executable, '-m', 'benchmarks.pytorch_mnist', *configuration.child_flags,
+         f'--epochs={FLAGS.epochs}', f'--mnist_dir={mnist_dir()}', f'--device={FLAGS.device}',
+         *subset], child_env('torch'))
+    epochs = child.pop('epochs')
+  else:
+    subset = ([f'--config.train_split=train[:{FLAGS.train_examples}]']
+              if FLAGS.train_examples else [])
+    with tempfile.TemporaryDirectory() as workdir:
+      process = harness.run_child(
+          [sys.executable, 'main.py', '--config=configs/default.py', f'--workdir={workdir}',
+           f'--config.num_epochs={FLAGS.epochs}', *configuration.child_flags, *subset],
+          env=child_env('jax'))
+      child, epochs = {}, epoch_ends(workdir)
   if len(epochs) != FLAGS.epochs:
     raise RuntimeError(f'{configuration.name} reported {len(epochs)} epoch ends, not '
                        f'{FLAGS.epochs}: {epochs}')
   return {'train_examples_per_sec': epochs[-1]['train_examples_per_sec'],
-          'process_seconds': seconds, 'eval_accuracy': epochs[-1]['eval_accuracy'],
+          'process_seconds': process.seconds, 'eval_accuracy': epochs[-1]['eval_accuracy'],
           'every_epoch': epochs, **child}
-
-
-def median(values: list[float]) -> float:
-  """The median of `values`, as a float for JSON."""
-  return float(statistics.median(values))
 
 
 def summarize(configurations: list[Configuration], every_round: dict[str, list[dict]],
@@ -362,13 +259,13 @@ def summarize(configurations: list[Configuration], every_round: dict[str, list[d
   `every_round` holds each configuration's runs, `libraries` each library's measurements
   (`measure_torch`, `measure_jax`), one per round.
   """
-  matmul_gflops = {library: {dtype: median([measured['matmul_gflops'][dtype]
+  matmul_gflops = {library: {dtype: harness.median([measured['matmul_gflops'][dtype]
                                             for measured in rounds])
                              for dtype in ('float32', 'bfloat16')}
                    for library, rounds in libraries.items()}
   runs = {}
   for c in configurations:
-    figures = {key: median([run[key] for run in every_round[c.name]])
+    figures = {key: harness.median([run[key] for run in every_round[c.name]])
                for key in ('train_examples_per_sec', 'process_seconds', 'eval_accuracy')}
     flops = libraries[c.library][0]['flops_per_example']  # The same in every round.
     flops = flops if c.library == 'torch' else flops[c.name]
@@ -382,17 +279,16 @@ def summarize(configurations: list[Configuration], every_round: dict[str, list[d
 def markdown_table(configurations: list[Configuration], runs: dict[str, dict],
                    epochs: int) -> str:
   """The table of `runs` (summarize's), a row per configuration."""
-  lines = [f'| configuration | train examples/s (epoch {epochs}) | process seconds (epochs 1-'
-           f'{epochs}) | eval accuracy (epoch {epochs}) | FLOPs/example (train step) | share of '
-           'matmul peak (library, dtype: GFLOP/s) |', '| --- | ---: | ---: | ---: | ---: | ---: |']
-  for c in configurations:
-    run = runs[c.name]
-    lines.append(
-        f'| {c.name} | {run["train_examples_per_sec"]:,.0f} | {run["process_seconds"]:,.1f} | '
-        f'{run["eval_accuracy"]:.4f} | {run["flops_per_example"] / 1e6:.1f}M | '
-        f'{run["share_of_matmul_peak"]:.1%} ({c.library}, {c.dtype}: '
-        f'{run["matmul_peak_gflops"]:,.1f}) |')
-  return '\n'.join(lines)
+  return harness.markdown_table(
+      ['configuration', f'train examples/s (epoch {epochs})',
+       f'process seconds (epochs 1-{epochs})', f'eval accuracy (epoch {epochs})',
+       'FLOPs/example (train step)', 'share of matmul peak (library, dtype: GFLOP/s)'],
+      [[c.name, f'{runs[c.name]["train_examples_per_sec"]:,.0f}',
+        f'{runs[c.name]["process_seconds"]:,.1f}', f'{runs[c.name]["eval_accuracy"]:.4f}',
+        f'{runs[c.name]["flops_per_example"] / 1e6:.1f}M',
+        f'{runs[c.name]["share_of_matmul_peak"]:.1%} ({c.library}, {c.dtype}: '
+        f'{runs[c.name]["matmul_peak_gflops"]:,.1f})'] for c in configurations],
+      align='lrrrrr')
 
 
 def selected_configurations() -> list[Configuration]:
@@ -411,19 +307,18 @@ def main(argv):
   if FLAGS.measure:
     figures = (measure_torch(FLAGS.device) if FLAGS.measure == 'torch' else
                measure_jax(FLAGS.device, [c for c in configurations if c.library == 'jax']))
-    with open(FLAGS.json, 'w') as f:
-      json.dump(figures, f)
+    with open(FLAGS.json, 'w', encoding='utf-8') as file:
+      json.dump(figures, file)
     return
 
   if not configurations:
     raise app.UsageError('--variants names no configuration.')
-  machine = machine_info()
-  print(machine_line(machine), flush=True)
+  print(harness.machine_line(harness.machine()), flush=True)
   project = [c for c in configurations if c.library == 'jax']
   every_round = collections.defaultdict(list)
   libraries = collections.defaultdict(list)
   for round_index in range(1, FLAGS.rounds + 1):
-    for library in ('torch', 'jax'):
+    for library in sorted({c.library for c in configurations}, reverse=True):  # torch first.
       libraries[library].append(measure_library(library, project))
       logging.info('round %d: %s matmul GFLOP/s %s', round_index, library,
                    libraries[library][-1]['matmul_gflops'])
@@ -436,20 +331,19 @@ def main(argv):
   summary = summarize(configurations, every_round, libraries)
   device_names = {library: rounds[0]['device_name'] for library, rounds in libraries.items()}
   print(f'\nMedians of {FLAGS.rounds} round(s), {FLAGS.epochs} epoch(s) each, on {FLAGS.device} '
-        f'(torch: {device_names["torch"]}, jax: {device_names["jax"]}):\n')
+        f'({", ".join(f"{library}: {name}" for library, name in device_names.items())}):\n')
   print(markdown_table(configurations, summary['runs'], FLAGS.epochs))
-  print('\n2048x2048 matmul GFLOP/s: ' + '; '.join(
+  print(f'\n{FLAGS.matmul_size}x{FLAGS.matmul_size} matmul GFLOP/s: ' + '; '.join(
       f'{library} ' + ', '.join(f'{dtype} {gflops:,.1f}' for dtype, gflops in by_dtype.items())
       for library, by_dtype in summary['matmul_gflops'].items()))
   print('FLOPs/example: torch by FlopCounterMode (convolutions and matmuls), jax by XLA cost '
         'analysis (every op).')
-  report = {'machine': machine, 'device': FLAGS.device, 'device_names': device_names,
-            'epochs': FLAGS.epochs, 'rounds': FLAGS.rounds,
-            'train_examples': FLAGS.train_examples, **summary,
-            'every_round': {'runs': every_round, 'libraries': libraries}}
-  with open(FLAGS.json, 'w') as f:
-    json.dump(report, f, indent=2)
+  harness.write_json(FLAGS.json, {
+      'device': FLAGS.device, 'device_names': device_names, 'epochs': FLAGS.epochs,
+      'rounds': FLAGS.rounds, 'train_examples': FLAGS.train_examples, **summary,
+      'every_round': {'runs': every_round, 'libraries': libraries}})
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

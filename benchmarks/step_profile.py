@@ -12,14 +12,13 @@ operation it runs (a fusion, a matmul, a copy...). Each row is one operation of 
 step: milliseconds per step, its share of the step's wall time, its output shape, the pass
 (forward, or backward: JAX's `transpose(jvp(...))`), the Python function that traced it (from
 the HLO's stack frames) and, for matmuls, the GFLOP/s they reach against a 2048x2048 matmul's
-in the same process.
+in the same process. --json writes the step times and every operation (`harness.write_json`).
 """
 
 import collections
 import glob
 import os
 import tempfile
-import time
 
 from core import runtime  # pylint: disable=g-bad-import-order  (first: it must precede tensorflow)
 
@@ -33,8 +32,8 @@ from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top
 
+from benchmarks import harness  # pylint: disable=g-import-not-at-top
 from benchmarks import hlo  # pylint: disable=g-import-not-at-top
-from benchmarks import timing  # pylint: disable=g-import-not-at-top
 from data_sources import base  # pylint: disable=g-import-not-at-top
 from training import run_spec  # pylint: disable=g-import-not-at-top
 from training import state as state_lib  # pylint: disable=g-import-not-at-top
@@ -48,6 +47,7 @@ flags.DEFINE_integer('repeats', 5, 'Untraced timings of --steps steps (min and m
                      lower_bound=1)
 flags.DEFINE_list('image_shape', ['28', '28', '1'], "The batches' images: height, width, channels.")
 flags.DEFINE_integer('num_classes', 10, 'Classes of the head.', lower_bound=2)
+flags.DEFINE_string('json', None, 'Where to write the figures (optional).')
 
 def events(trace_dir: str) -> dict[str, float]:
   """{event name: total picoseconds} over the CPU threads' events of the trace."""
@@ -74,14 +74,12 @@ def print_by_function(rows: list[tuple[float, str, hlo.Operation]], step_ms: flo
     group[0] += ms
     group[1] += 1
     group[2] += operation.flops
-  print('| traced by | pass | kind | operations | ms per step | share | GFLOP/s |')
-  print('| --- | --- | --- | ---: | ---: | ---: | ---: |')
-  for (traced_by, backward, matmul), (ms, count, flops) in sorted(
-      groups.items(), key=lambda item: -item[1][0])[:FLAGS.rows]:
-    rate = f'{flops / ms / 1e6:.0f}' if flops else ''
-    print(f'| {traced_by} | {"backward" if backward else "forward"} | '
-          f'{"matmul" if matmul else "other"} | {count} | {ms:.1f} | {ms / step_ms:.1%} | '
-          f'{rate} |')
+  print(harness.markdown_table(
+      ['traced by', 'pass', 'kind', 'operations', 'ms per step', 'share', 'GFLOP/s'],
+      [[traced_by, 'backward' if backward else 'forward', 'matmul' if matmul else 'other', count,
+        f'{ms:.1f}', f'{ms / step_ms:.1%}', f'{flops / ms / 1e6:.0f}' if flops else '']
+       for (traced_by, backward, matmul), (ms, count, flops) in sorted(
+           groups.items(), key=lambda item: -item[1][0])[:FLAGS.rows]], align='lllrrrr'))
 
 
 def main(argv):
@@ -107,24 +105,27 @@ def main(argv):
              for _ in range(4)]
   operations = hlo.operations(train_step.lower(state, batches[0]).compile().as_text())
 
-  def run_steps(count: int) -> float:
-    """Milliseconds per step of `count` steps, dispatched ahead as training does."""
-    start = time.perf_counter()
+  def run_steps(count: int) -> None:
+    """`count` steps, dispatched ahead as training does, and waited for."""
     for i in range(count):
       train_step(state, batches[i % 4])
     jax.block_until_ready(jax.tree.leaves(state))
-    return (time.perf_counter() - start) / count * 1000
+
+  def ms_per_step(repeats: int) -> list[float]:
+    """Milliseconds per step of --steps steps, `repeats` times, the fastest first."""
+    return sorted(seconds / FLAGS.steps * 1000 for seconds in
+                  harness.time_calls(lambda: run_steps(FLAGS.steps), repeats))
 
   run_steps(FLAGS.warmup)
-  untraced = sorted(run_steps(FLAGS.steps) for _ in range(FLAGS.repeats))
+  untraced = ms_per_step(FLAGS.repeats)
   # Host events only: Python's tracer would slow the dispatching thread.
   options = jax.profiler.ProfileOptions()
   options.python_tracer_level = 0
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir, profiler_options=options):
-      step_ms = run_steps(FLAGS.steps)
+      step_ms, = ms_per_step(1)
     totals = events(trace_dir)
-  peak = timing.matmul_flops_per_sec() / 1e9
+  peak = harness.matmul_flops_per_sec() / 1e9
   rows = sorted(((picoseconds / 1e9 / FLAGS.steps, name, operations[name])
                  for name, picoseconds in totals.items() if name in operations), reverse=True)
   print(f'{config.model}, batch {config.batch_size}, cpu_kernels={config.cpu_kernels}, '
@@ -133,20 +134,28 @@ def main(argv):
         f'{untraced[len(untraced) // 2]:.1f}), {step_ms:.1f} ms traced, '
         f'{sum(row[0] for row in rows):.1f} ms in {len(rows)} XLA operations; 2048x2048 matmul '
         f'{peak:.0f} GFLOP/s')
-  print('| operation | ms per step | share | output | pass | traced by | GFLOP/s |')
-  print('| --- | ---: | ---: | --- | --- | --- | ---: |')
-  for ms, name, operation in rows[:FLAGS.rows]:
-    rate = f'{operation.flops / ms / 1e6:.0f}' if operation.flops else ''
-    print(f'| {name} | {ms:.2f} | {ms / step_ms:.1%} | {operation.shape} | '
-          f'{"backward" if operation.backward else "forward"} | {operation.traced_by} | {rate} |')
   rest = sum(row[0] for row in rows[FLAGS.rows:])
-  print(f'| {len(rows) - FLAGS.rows} more | {rest:.2f} | {rest / step_ms:.1%} | | | | |')
+  print(harness.markdown_table(
+      ['operation', 'ms per step', 'share', 'output', 'pass', 'traced by', 'GFLOP/s'],
+      [*([name, f'{ms:.2f}', f'{ms / step_ms:.1%}', operation.shape,
+          'backward' if operation.backward else 'forward', operation.traced_by,
+          f'{operation.flops / ms / 1e6:.0f}' if operation.flops else '']
+         for ms, name, operation in rows[:FLAGS.rows]),
+       [f'{len(rows) - FLAGS.rows} more', f'{rest:.2f}', f'{rest / step_ms:.1%}', '', '', '', '']],
+      align='lrrlllr'))
   print_by_function(rows, step_ms)
   matmul_ms = sum(ms for ms, _, operation in rows if operation.flops)
   matmul_flops = sum(operation.flops for _, _, operation in rows if operation.flops)
   print(f'Matmuls: {matmul_ms:.1f} ms per step ({matmul_ms / step_ms:.0%}), '
         f'{matmul_flops / matmul_ms / 1e6:.0f} GFLOP/s; everything else '
         f'{step_ms - matmul_ms:.1f} ms.')
+  if FLAGS.json:
+    harness.write_json(FLAGS.json, {
+        'model': config.model, 'batch_size': config.batch_size,
+        'image_shape': info.image_shape, 'untraced_ms_per_step': untraced,
+        'traced_ms_per_step': step_ms, 'matmul_peak_gflops': peak,
+        'operations': [{'name': name, 'ms_per_step': ms, **operation._asdict()}
+                       for ms, name, operation in rows]})
 
 
 if __name__ == '__main__':

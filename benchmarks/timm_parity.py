@@ -8,25 +8,26 @@ generated photo folder, saved as safetensors, evaluated by timm (its own eval tr
 The folder: `data_sources.generated`'s shapes (4 classes: circle, cross, square, triangle in
 random colours, sizes and places) of 180-320 px, in PNG/JPEG/BMP/GIF, a fifth of them
 grayscale, no damaged files (timm's ImageFolder would stop at one); `--train_images` and
-`--test_images` per class, the test images drawn by another seed. torchvision's ImageFolder is told to read the GIFs too, so both score every file.
+`--test_images` per class, the test images drawn by another seed. torchvision's ImageFolder
+is told to read the GIFs too, so both score every file.
 timm trains with its own train transform (`create_transform(..., is_training=True)`), AdamW at
 1e-3 (weight decay 0.05 on weights, not biases and norms), batches of 32 (`timm_training`);
 the weights go to `<work>/<model>.safetensors` (`safetensors.torch.save_file(model.state_dict(),
 ...)`).
-Prints and writes (`--out`, JSON) both accuracies, the difference in points, the commands and
-the machine.
+Prints and writes (`--out`, `harness.write_json`) both accuracies, the difference in points and
+the app's command.
 """
 
 import json
 import os
-import platform
+import shlex
 import shutil
-import subprocess
 import sys
 
 from absl import app
 from absl import flags
 
+from benchmarks import harness
 from benchmarks import timm_training
 from data_sources import generated
 
@@ -38,7 +39,6 @@ flags.DEFINE_integer('train_images', 130, 'Training images per class.')
 flags.DEFINE_integer('test_images', 70, 'Test images per class.')
 flags.DEFINE_string('out', None, 'A JSON file for the figures (optional).')
 flags.mark_flags_as_required(['work'])
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_folder(root: str) -> None:
@@ -75,8 +75,8 @@ def timm_accuracy(model, config, root: str) -> tuple[float, int]:
 
 
 def app_eval_command(root: str, weights: str, workdir: str) -> list[str]:
-  return [sys.executable, os.path.join(ROOT, 'main.py'), '--mode=eval',
-          f'--config={os.path.join(ROOT, "configs", "finetune.py")}', f'--workdir={workdir}',
+  return [sys.executable, 'main.py', '--mode=eval',
+          '--config=configs/finetune.py', f'--workdir={workdir}',
           '--config.data_source=folder', f'--config.dataset={root}',
           '--config.eval_split=test', f'--config.model={FLAGS.model}',
           f'--config.init_from={weights}']
@@ -84,7 +84,7 @@ def app_eval_command(root: str, weights: str, workdir: str) -> list[str]:
 
 def app_accuracy(root: str, weights: str, workdir: str) -> float:
   """`main.py --mode=eval` of the imported weights: the accuracy in its JSON report."""
-  subprocess.run(app_eval_command(root, weights, workdir), check=True)
+  harness.run_child(app_eval_command(root, weights, workdir))
   reports = [name for name in os.listdir(workdir)
              if name.startswith('eval_test_') and name.endswith('.json')]
   with open(os.path.join(workdir, reports[0]), encoding='utf-8') as file:
@@ -107,12 +107,10 @@ def main(argv):
       'timm_data_config': {k: str(v) for k, v in config.items()},
       'timm_accuracy': timm_score, 'app_accuracy': app_score,
       'difference_points': round(100 * (app_score - timm_score), 3),
-      'app_command': ' '.join(app_eval_command(root, weights, workdir)),
-      'machine': f'{platform.processor() or platform.machine()}, {os.cpu_count()} cores'}
+      'app_command': shlex.join(['python', *app_eval_command(root, weights, workdir)[1:]])}
   print(json.dumps(figures, indent=2))
   if FLAGS.out:
-    with open(FLAGS.out, 'w', encoding='utf-8') as file:
-      json.dump(figures, file, indent=2)
+    harness.write_json(FLAGS.out, figures)
 
 
 if __name__ == '__main__':
