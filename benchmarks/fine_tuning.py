@@ -168,12 +168,12 @@ def pretrain_in_timm(root: str, weights: str) -> dict:
 
 
 def train_arm(name: str, root: str, epochs: int, extra: list[str]) -> dict:
-  """Trains one arm in <work>/runs/<name> (a fresh workdir): its figures and command (also in
-  <workdir>.json)."""
+  """Trains one arm in <work>/runs/<name> (a fresh workdir, its output in <name>.log): its
+  figures and command (also in <workdir>.json)."""
   workdir = os.path.join(FLAGS.work, 'runs', name)
   shutil.rmtree(workdir, ignore_errors=True)
   args = command(root, workdir, epochs, extra)
-  child = harness.run_child(args)
+  child = harness.run_child(args, log_path=workdir + '.log')
   last_eval = [values for values in harness.read_metrics(workdir) if 'eval/accuracy' in values][-1]
   figures = {'arm': name, 'accuracy': last_eval['eval/accuracy'], 'steps': last_eval['step'],
              'epochs': epochs, 'wall_s': round(child.seconds, 1),

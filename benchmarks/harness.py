@@ -87,15 +87,18 @@ class Child:
 
 
 def run_child(command: Sequence[str], *, env: dict[str, str] | None = None, echo: bool = False,
-              stop: Callable[[str], bool] | None = None, check: bool = True) -> Child:
+              log_path: str | None = None, stop: Callable[[str], bool] | None = None,
+              check: bool = True) -> Child:
   """Runs `command` from the repository root and waits for it.
 
   Each child gets a fresh, empty PyTorch inductor cache, so that a torch.compile child compiles
-  cold as every JAX child does. `echo` prints its output as it comes; `stop(line)` is called on
-  each line of it, and the child is terminated once it returns True. With `check`, a child that
-  fails (other than by that stop) raises RuntimeError with the end of its output.
+  cold as every JAX child does. `echo` prints its output as it comes, and `log_path` gets all of
+  it; `stop(line)` is called on each line of it, and the child is terminated once it returns
+  True. With `check`, a child that fails (other than by that stop) raises RuntimeError with the
+  end of its output.
   """
-  with tempfile.TemporaryDirectory() as inductor_cache:
+  with (tempfile.TemporaryDirectory() as inductor_cache,
+        open(log_path or os.devnull, 'w', encoding='utf-8') as log):
     start = time.perf_counter()
     process = subprocess.Popen(
         command, cwd=ROOT, env={**(env or os.environ), 'TORCHINDUCTOR_CACHE_DIR': inductor_cache},
@@ -103,6 +106,7 @@ def run_child(command: Sequence[str], *, env: dict[str, str] | None = None, echo
     tail, stopped = collections.deque(maxlen=_OUTPUT_LINES_KEPT), False
     for line in process.stdout:
       tail.append(line)
+      log.write(line)
       if echo:
         print(line, end='', flush=True)
       if stop is not None and stop(line):
@@ -112,9 +116,9 @@ def run_child(command: Sequence[str], *, env: dict[str, str] | None = None, echo
     process.stdout.close()
     # wait4, not wait: the child's own resource usage (its peak RSS), not all children's.
     _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - start
     process.returncode = os.waitstatus_to_exitcode(status)
-  child = Child(time.perf_counter() - start, usage.ru_maxrss / 1024, process.returncode,
-                ''.join(tail))
+  child = Child(seconds, usage.ru_maxrss / 1024, process.returncode, ''.join(tail))
   if check and child.returncode and not stopped:
     raise RuntimeError(f'{shlex.join(command)} failed with status {child.returncode}; its '
                        f'output ends:\n{child.output_tail}')

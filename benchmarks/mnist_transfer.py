@@ -10,21 +10,19 @@ digits 5-9 twice per seed, the same command with and without `init_from` (the he
 re-initialised by `init_exclude`): the default SGD 0.1, batches of 25, 5 epochs, convolutions
 and BatchNorms frozen; both scored on all test images of 5-9 after every epoch. Each run is
 `python main.py` in its own process; the figures are read from its metrics.jsonl, and written
-with the commands, the code's commit and the machine to `--out` (JSON).
+with the commands to `--out` (`harness.write_json`: with this command, the commit, the machine
+and the date).
 """
 
-import datetime
-import json
 import os
+import shlex
 import shutil
-import subprocess
 import sys
-import time
 
 from absl import app
 from absl import flags
 
-from training import summaries
+from benchmarks import harness
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('folders', None, 'The root written by benchmarks.mnist_folders.')
@@ -37,8 +35,6 @@ flags.mark_flags_as_required(['folders', 'work', 'out'])
 # The frozen recipe of docs/fine_tuning.md's table, but for init_from.
 RECIPE = ['--config.batch_size=25', '--config.num_epochs=5',
           "--config.freeze=('conv', 'batch_norm')"]
-# What the lscpu flags say of the CPU's vector units (the figures' machine).
-ISA_FLAGS = ('avx2', 'fma', 'avx512f', 'avx512_bf16', 'amx_bf16')
 
 
 def train(workdir: str, dataset: str, extra: list[str]) -> dict:
@@ -47,25 +43,13 @@ def train(workdir: str, dataset: str, extra: list[str]) -> dict:
   args = [sys.executable, 'main.py', '--config=configs/default.py', f'--workdir={workdir}',
           '--config.data_source=folder', f'--config.dataset={dataset}',
           '--config.eval_split=test', *extra]
-  start = time.time()
-  with open(f'{workdir}.log', 'w', encoding='utf-8') as log:
-    subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, check=True)
-  metrics = summaries.read_metrics(workdir)
-  epochs = [metrics[step] for step in sorted(metrics) if 'eval/accuracy' in metrics[step]]
+  child = harness.run_child(args, log_path=f'{workdir}.log')
+  epochs = [values for values in harness.read_metrics(workdir) if 'eval/accuracy' in values]
   # 'train/accuracy' at an epoch's end is over the steps since the last write: the whole epoch
   # where an epoch has fewer steps than config.log_every_steps (the digits 5-9 runs: 10).
-  return {'command': ' '.join(['python', *args[1:]]), 'wall_s': round(time.time() - start, 1),
+  return {'command': shlex.join(['python', *args[1:]]), 'wall_s': round(child.seconds, 1),
           'eval_accuracy': [epoch['eval/accuracy'] for epoch in epochs],
           'train_accuracy': [epoch['train/accuracy'] for epoch in epochs]}
-
-
-def machine() -> str:
-  """The CPU as lscpu names it, its cores and which of ISA_FLAGS it has."""
-  fields = dict(line.split(':', 1) for line in subprocess.run(
-      ['lscpu'], capture_output=True, text=True, check=True).stdout.splitlines() if ':' in line)
-  flags_ = set(fields.get('Flags', '').split())
-  return (f'lscpu "{fields["Model name"].strip()}", {os.cpu_count()} cores, '
-          f'{" + ".join(flag for flag in ISA_FLAGS if flag in flags_) or "no AVX2"}')
 
 
 def main(argv):
@@ -86,21 +70,11 @@ def main(argv):
       runs.append({'arm': arm, 'seed': seed, **run})
       print(f'{arm} seed {seed}: eval accuracy by epoch '
             f'{", ".join(f"{value:.4f}" for value in run["eval_accuracy"])}', flush=True)
-  commit = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True,
-                          text=True, check=True).stdout.strip()
-  changed = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no'],
-                           capture_output=True, text=True, check=True).stdout.split('\n')
-  record = {'date': datetime.date.today().isoformat(), 'commit': commit,
-            'uncommitted_changes': [line[3:] for line in changed if line],
-            'machine': machine(),
-            'pretrain': {'epochs': FLAGS.pretrain_epochs, **pretrained},
-            'runs': runs,
-            'mean_last_epoch': {arm: sum(run['eval_accuracy'][-1] for run in runs
-                                         if run['arm'] == arm) / len(FLAGS.seeds)
-                                for arm in ('finetune', 'scratch')}}
-  with open(FLAGS.out, 'w', encoding='utf-8') as file:
-    json.dump(record, file, indent=2)
-    file.write('\n')
+  harness.write_json(FLAGS.out, {
+      'pretrain': {'epochs': FLAGS.pretrain_epochs, **pretrained}, 'runs': runs,
+      'mean_last_epoch': {arm: sum(run['eval_accuracy'][-1] for run in runs
+                                   if run['arm'] == arm) / len(FLAGS.seeds)
+                          for arm in ('finetune', 'scratch')}})
 
 
 if __name__ == '__main__':

@@ -66,9 +66,11 @@ def test_an_artefact_records_command_commit_machine_and_date(tmp_path, monkeypat
   assert os.listdir(tmp_path) == ['figures.json']  # No temporary file left.
 
 
-def test_a_child_reports_its_time_and_peak_memory_and_a_failure_its_output():
-  child = harness.run_child([sys.executable, '-c', 'x = bytearray(200 * 2**20); print("done")'])
-  assert child.returncode == 0 and child.output_tail == 'done\n'
+def test_a_child_reports_its_time_and_peak_memory_and_a_failure_its_output(tmp_path):
+  log = tmp_path / 'child.log'
+  child = harness.run_child([sys.executable, '-c', 'x = bytearray(200 * 2**20); print("done")'],
+                            log_path=str(log))
+  assert child.returncode == 0 and child.output_tail == log.read_text() == 'done\n'
   assert child.seconds > 0 and child.peak_rss_mb > 200  # Its own peak, not this process's.
   with pytest.raises(RuntimeError, match='status 3') as raised:
     harness.run_child([sys.executable, '-c', 'print("why"); raise SystemExit(3)'])
