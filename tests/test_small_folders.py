@@ -37,6 +37,24 @@ def test_the_same_seed_writes_the_same_folder_and_another_seed_another(tmp_path)
   assert not all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(first, other))
 
 
+def test_the_command_line_writes_a_folder_and_refuses_a_bad_size_in_one_line(tmp_path):
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  generate = lambda *flags: subprocess.run(
+      [sys.executable, '-m', 'data_sources.generated', *flags], cwd=repo, capture_output=True,
+      text=True, timeout=300)
+  written = generate('--kind=digits', f'--out={tmp_path}', '--num_images=20', '--size=24',
+                     '--split=test')
+  assert written.returncode == 0, written.stderr[-3000:]
+  assert sorted(os.listdir(tmp_path / 'test')) == list(generated.KINDS['digits'][0])
+  assert sum(len(files) for _, _, files in os.walk(tmp_path / 'test')) == 20  # Not messy.
+  refused = generate('--kind=shapes', f'--out={tmp_path / "bad"}', '--size=4')
+  assert refused.returncode == 1 and refused.stderr.startswith('Flag error: --size=4 ')
+  assert len(refused.stderr.strip().splitlines()) == 1 and not (tmp_path / 'bad').exists()
+
+
 def _batch(seed: int = 0) -> np.ndarray:
   """Two 5x7 RGB images in [0, 1] of different means and contrasts, and a flat one."""
   rng = np.random.default_rng(seed)
