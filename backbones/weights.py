@@ -107,38 +107,54 @@ def load_pretrained(model: nnx.Module, model_name: str, path: str,
         f'config.init_from={path!r} holds PyTorch weights, which load only into the pretrained '
         f'backbones, not model {model_name!r}.', key='init_from', value=path)
   state_dict = read_state_dict(path)
-  variables = _variables(model)
-  converted, unexpected = _convert(state_dict, key_map, dict(variables))
-  to_load, fresh, missing = [], [], []
-  for name, variable in variables:
-    source = converted.get(name)
-    if any(re.search(pattern, name) for pattern in exclude):
-      fresh.append(f'{name} (init_exclude)')
-    elif source is None:
-      missing.append(name)
-    elif source.shape != variable.shape:
-      fresh.append(f'{name} ({tuple(variable.shape)}, {tuple(source.shape)} there)')
-    else:
-      to_load.append((name, variable, source))
-  if missing or unexpected or not to_load:
+  variables = dict(model_variables(model))
+  converted, unexpected = _convert(state_dict, key_map, variables)
+  missing = [name for name in variables if name not in converted
+             and not any(re.search(pattern, name) for pattern in exclude)]
+  if missing or unexpected:
     raise errors.ConfigError(
         f'config.init_from={path!r} does not hold the weights of a {model_name!r}: '
         f'{len(missing)} of its arrays are not there (e.g. {", ".join(missing[:3]) or "none"}), '
-        f'{len(unexpected)} there are not its own (e.g. {", ".join(unexpected[:3]) or "none"})'
-        f'{", and none fits" if not to_load else ""}. Pass weights of this architecture, or '
-        'name the arrays to leave out in config.init_exclude.', key='init_from', value=path)
-  # Only a file found to fit changes the model.
-  for _, variable, source in to_load:
-    variable.set_value(jax.device_put(source.astype(variable.dtype), variable[...].sharding))
-  loaded = [name for name, _, _ in to_load]
-  logging.info('Initialised the model from %s: loaded %d arrays%s.', path, len(loaded),
+        f'{len(unexpected)} there are not its own (e.g. {", ".join(unexpected[:3]) or "none"}).'
+        ' Pass weights of this architecture, or name the arrays to leave out in '
+        'config.init_exclude.', key='init_from', value=path)
+  loaded, fresh = assign(model, converted, exclude, path)
+  if not loaded:  # Nothing was changed: every array's shape differs from the model's.
+    raise errors.ConfigError(
+        f'config.init_from={path!r} does not hold the weights of a {model_name!r}: none of its '
+        'arrays has the shape of the model\'s. Pass weights of this architecture.',
+        key='init_from', value=path)
+  return loaded, fresh
+
+
+def assign(model: nnx.Module, arrays: dict[str, np.ndarray], exclude: tuple[str, ...],
+           source: str) -> tuple[list[str], list[str]]:
+  """Sets each parameter and BatchNorm statistic of `model` to the array of `arrays` under its
+  name (`model_variables`) where the shapes agree, but those matching a regex of `exclude`;
+  logs one line. The one way weights come into a model, from PyTorch files or from this app's
+  checkpoints (training/init_from.py). Returns the names loaded and the others (left as
+  initialised), each with the reason."""
+  loaded, fresh = [], []
+  for name, variable in model_variables(model):
+    array = arrays.get(name)
+    if any(re.search(pattern, name) for pattern in exclude):
+      fresh.append(f'{name} (init_exclude)')
+    elif array is None:
+      fresh.append(f'{name} (not in {source})')
+    elif array.shape != variable.shape:
+      fresh.append(f'{name} ({tuple(variable.shape)}, {tuple(array.shape)} there)')
+    else:
+      variable.set_value(jax.device_put(np.asarray(array).astype(variable.dtype),
+                                        variable[...].sharding))
+      loaded.append(name)
+  logging.info('Initialised the model from %s: loaded %d arrays%s.', source, len(loaded),
                f'; re-initialised {len(fresh)}: {", ".join(fresh)}' if fresh else '')
   return loaded, fresh
 
 
-def _variables(model: nnx.Module) -> list[tuple[str, nnx.Variable]]:
+def model_variables(model: nnx.Module) -> list[tuple[str, nnx.Variable]]:
   """('layer1.0.conv1.kernel', its Variable) for every parameter and BatchNorm statistic, named
-  as `training/checkpointing` names them."""
+  as a checkpoint of this app names them (after its 'model.' or 'ema.params.')."""
   return [('.'.join(map(str, path)), node) for path, node in nnx.iter_graph(model)
           if isinstance(node, (nnx.Param, nnx.BatchStat))]
 

@@ -17,6 +17,7 @@ from configs import default
 from configs import finetune
 from backbones import resnet
 from backbones import vit
+from backbones import weights
 from core import errors
 import input_pipeline
 import models
@@ -24,6 +25,7 @@ import preprocessing
 from preprocessing import mix
 import train
 from training import checkpointing
+from training import init_from
 from training import losses
 from training import optimizers
 from training import state as state_lib
@@ -39,8 +41,7 @@ import image_folders
 
 
 def _weights(model):
-  flat = checkpointing._flat_variables(model)  # pylint: disable=protected-access
-  return {name: np.array(variable[...]) for name, variable in flat}
+  return {name: np.array(variable[...]) for name, variable in weights.model_variables(model)}
 
 
 def test_init_from_loads_matching_weights_and_reinitialises_a_new_head(tmp_path):
@@ -56,16 +57,16 @@ def test_init_from_loads_matching_weights_and_reinitialises_a_new_head(tmp_path)
   target.model_options.cnn.update(conv1_features=4, conv2_features=8, hidden_features=16)
   info = INFO.__class__(**{**INFO.__dict__, 'image_shape': (8, 8, 1), 'num_classes': 3})
   state = build.create_state(target, info, 10)
-  loaded, fresh = checkpointing.init_weights(
-      state.model, checkpointing.checkpoint_path(str(tmp_path / 'source')))
+  source_checkpoint = os.path.dirname(checkpointing.checkpoint_path(str(tmp_path / 'source')))
+  loaded, fresh = init_from.load_checkpoint(state.model, source_checkpoint)
   assert sorted(fresh) == ['linear2.bias ((3,), (2,) there)',
                            'linear2.kernel ((16, 3), (16, 2) there)']
   assert 'conv1.kernel' in loaded and 'batch_norm1.mean' in loaded and len(loaded) == 14
-  _, fresh = checkpointing.init_weights(  # A head excluded by name.
-      state.model, checkpointing.checkpoint_path(str(tmp_path / 'source')), ('linear',))
+  _, fresh = init_from.load_checkpoint(  # A head excluded by name.
+      state.model, source_checkpoint, ('linear',))
   assert len(fresh) == 4 and all('init_exclude' in name for name in fresh)
-  weights = _weights(state.model)
-  np.testing.assert_array_equal(weights['conv1.kernel'], saved['ema.params.conv1.kernel'])
+  now = _weights(state.model)
+  np.testing.assert_array_equal(now['conv1.kernel'], saved['ema.params.conv1.kernel'])
   # Nothing matching: one line naming init_from.
   mlp = default.get_config()
   mlp.update(model='mlp', init_from=str(tmp_path / 'source'), data_source='stripes_for_test',

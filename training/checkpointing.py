@@ -132,37 +132,6 @@ def _flat(tree, is_leaf=None) -> dict[str, object]:
           for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf)}
 
 
-def init_weights(model: nnx.Module, saved_path: str,
-                 exclude: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
-  """Loads into `model` the weights (parameters and BatchNorm statistics) of the `state` item
-  at `saved_path` whose path and shape match, but those matching a pattern of `exclude`: the
-  averaged weights when that run kept an EMA. Returns the names loaded and the others (left as
-  initialised, with the reason)."""
-  saved = read_state(saved_path)
-  prefix = 'ema.params.' if any(name.startswith('ema.params.') for name in saved) else 'model.'
-  loaded, fresh = [], []
-  for name, variable in _flat_variables(model):
-    source = saved.get(prefix + name)
-    if any(re.search(pattern, name) for pattern in exclude):
-      fresh.append(f'{name} (init_exclude)')
-    elif source is None:
-      fresh.append(f'{name} (not in the checkpoint)')
-    elif source.shape != variable.shape:
-      fresh.append(f'{name} ({tuple(variable.shape)}, {tuple(source.shape)} there)')
-    else:
-      variable.set_value(jax.device_put(source, variable[...].sharding))
-      loaded.append(name)
-  logging.info('Initialised the model from %s: loaded %d arrays%s.', saved_path, len(loaded),
-               f'; re-initialised {len(fresh)}: {", ".join(fresh)}' if fresh else '')
-  return loaded, fresh
-
-
-def _flat_variables(model: nnx.Module) -> list[tuple[str, nnx.Variable]]:
-  """('conv1.kernel', its Variable) for every parameter and BatchNorm statistic."""
-  state = nnx.state(model, nnx.Any(nnx.Param, nnx.BatchStat))
-  return list(_flat(state, is_leaf=lambda x: isinstance(x, nnx.Variable)).items())
-
-
 def _state_bytes(state: nnx.Module) -> int:
   """The bytes of `state`'s arrays, about what a checkpoint of it takes on disk."""
   return sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(state))

@@ -27,7 +27,7 @@ def load(run: run_spec.Run, state: state_lib.TrainState) -> None:
   if weights.is_pretrained_path(path):
     weights.load_pretrained(state.model, run.model.name, path, run.init_exclude)
   else:
-    _load_checkpoint(path, state.model, run.init_exclude)
+    load_checkpoint(state.model, path, run.init_exclude)
   if state.ema is not None:
     # Copies: the train step donates both, so they must not share buffers.
     jax.tree.map(lambda average, variable: average.set_value(jnp.copy(variable[...])),
@@ -36,18 +36,27 @@ def load(run: run_spec.Run, state: state_lib.TrainState) -> None:
                  is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def _load_checkpoint(path: str, model: nnx.Module, exclude: tuple[str, ...]) -> None:
-  """A workdir's best checkpoint (else its newest), or a checkpoint directory; see
-  `checkpointing.init_weights`."""
+def load_checkpoint(model: nnx.Module, path: str,
+                    exclude: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
+  """Loads into `model` the weights of a checkpoint of this app: a workdir's best (else its
+  newest), or the checkpoint directory `path` names; the averaged weights when that run kept an
+  EMA. Every parameter and BatchNorm statistic whose path and shape match is loaded
+  (`weights.assign`), but those matching a regex of `exclude`. Returns the names loaded and the
+  others with the reason; a `ConfigError` if nothing matches."""
   saved_path = checkpointing.checkpoint_path(path)
   if (source := run_spec.saved_config(path)) is not None:
     best = run_spec.resolve(source).best
     with contextlib.closing(checkpointing.Checkpoints(path, best.name, best.maximize)) as saved:
       if (step := saved.best_step()) is not None:
         saved_path = os.path.join(path, checkpointing.CHECKPOINT_DIR, str(step), 'state')
-  loaded, _ = checkpointing.init_weights(model, saved_path, exclude)
+  saved = checkpointing.read_state(saved_path)
+  prefix = 'ema.params.' if any(name.startswith('ema.params.') for name in saved) else 'model.'
+  loaded, fresh = weights.assign(
+      model, {name.removeprefix(prefix): array for name, array in saved.items()
+              if name.startswith(prefix)}, exclude, saved_path)
   if not loaded:
     raise errors.ConfigError(
         f'config.init_from={path!r}: no parameter of its checkpoint {saved_path} has the path '
         f'and shape of one of model {model.__class__.__name__!r}: is it the same kind of '
         'model?', key='init_from', value=path)
+  return loaded, fresh
