@@ -31,7 +31,8 @@ def load_model(run: run_spec.Run, workdir: str, info: base.DatasetInfo,
   averaged them; and the checkpoint's step. Without a checkpoint there, the weights of
   config.init_from (step 0), so that imported weights are scored or used before any training.
   A `CheckpointError` if there is neither."""
-  checkpoints = checkpointing.Checkpoints(workdir, run.best.name, run.best.maximize)
+  checkpoints = checkpointing.Checkpoints(workdir, run.best.name, run.best.maximize,
+                                          reader=True)
   # The structure only: the schedule's values are never used.
   state = state_lib.create(run.model, info, run.optimization,
                            run.optimization.learning_rate_schedule(steps_per_epoch=1),

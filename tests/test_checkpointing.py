@@ -281,3 +281,22 @@ def test_checkpoints_of_the_previous_version_are_read_with_their_metrics(tmp_pat
   assert checkpoints.best_step() == 10
   assert checkpoints.restore_newest(state, move_aside=True) == (20, {'epoch': 2, 'layout': 2})
   checkpoints.close()
+
+
+def test_a_reader_leaves_a_save_in_progress_alone(tmp_path):
+  """Eval, predict, export and init_from may open a workdir while a run trains in it: what
+  looks like a partial save to them may be that run's save in progress."""
+  state, _ = create(model='mlp')
+  checkpoints = checkpointing.Checkpoints(str(tmp_path), 'eval/accuracy')
+  checkpoints.save(10, state, {'epoch': 1})
+  checkpoints.close()
+  in_progress = os.path.join(checkpoints.directory, '20.orbax-checkpoint-tmp-1234')
+  os.makedirs(os.path.join(in_progress, 'state'))
+  for reader, kept in ((True, True), (False, False)):  # Training's removes it.
+    checkpoints = checkpointing.Checkpoints(str(tmp_path), 'eval/accuracy', reader=reader)
+    assert checkpoints.restore(state, 'latest') == 10
+    checkpoints.close()
+    assert os.path.isdir(in_progress) == kept
+  # Nor does a reader create a workdir's checkpoints directory.
+  checkpointing.Checkpoints(str(tmp_path / 'none'), reader=True).close()
+  assert not os.path.exists(tmp_path / 'none')

@@ -144,8 +144,10 @@ class Checkpoints:
   which checkpoints to keep."""
 
   def __init__(self, workdir: str, best_metric: str | None = None, maximize: bool = True,
-               max_to_keep: int = 3):
-    """`best_metric` (with `maximize`) picks the epoch-end checkpoint kept as the best."""
+               max_to_keep: int = 3, *, reader: bool = False):
+    """`best_metric` (with `maximize`) picks the epoch-end checkpoint kept as the best. A
+    `reader` (eval, predict, export, init_from) creates nothing and leaves temporary
+    directories alone: they may be the save in progress of a run training in that workdir."""
     self.directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
     self._best_metric, self._sign = best_metric, 1 if maximize else -1
     self._max_to_keep = max_to_keep
@@ -154,7 +156,8 @@ class Checkpoints:
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
-            create=True, enable_async_checkpointing=False, cleanup_tmp_directories=True),
+            create=not reader, enable_async_checkpointing=False,
+            cleanup_tmp_directories=not reader),
         # Named handlers let a fresh process read the metadata of existing checkpoints.
         item_handlers={'state': ocp.StandardCheckpointHandler(),
                        'progress': ocp.JsonCheckpointHandler()})

@@ -46,7 +46,8 @@ def load_checkpoint(model: nnx.Module, path: str,
   saved_path = checkpointing.checkpoint_path(path)
   if (source := run_spec.saved_config(path)) is not None:
     best = run_spec.resolve(source).best
-    with contextlib.closing(checkpointing.Checkpoints(path, best.name, best.maximize)) as saved:
+    checkpoints = checkpointing.Checkpoints(path, best.name, best.maximize, reader=True)
+    with contextlib.closing(checkpoints) as saved:
       if (step := saved.best_step()) is not None:
         saved_path = os.path.join(path, checkpointing.CHECKPOINT_DIR, str(step), 'state')
   saved = checkpointing.read_state(saved_path)
