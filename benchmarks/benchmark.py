@@ -164,7 +164,8 @@ def measure_project(config) -> dict[str, float]:
 
 
 def measure_reference(config) -> dict[str, float]:
-  train_ds, test_ds = reference_mnist.datasets(config.data_dir)
+  # Evaluated on the project's eval split (the whole test split, unless set otherwise).
+  train_ds, test_ds = reference_mnist.datasets(config.data_dir, test_split=config.eval_split)
   model, optimizer, metrics = reference_mnist.create()
   batches = train_ds.repeat().as_numpy_iterator()
   first = next(batches)

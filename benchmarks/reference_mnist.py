@@ -57,13 +57,14 @@ def eval_step(model, metrics, batch):
   metrics.update(loss=loss, logits=logits, labels=batch['label'])
 
 
-def datasets(data_dir, batch_size=128):
-  """The example's pipeline: map -> shuffle(1024) -> batch(drop_remainder) -> prefetch(1)."""
+def datasets(data_dir, batch_size=128, test_split='test'):
+  """The example's pipeline: map -> shuffle(1024) -> batch(drop_remainder) -> prefetch(1); the
+  example evaluates all of 'test'."""
   tf.random.set_seed(0)
   normalize = lambda sample: {'image': tf.cast(sample['image'], tf.float32) / 255,
                               'label': sample['label']}
   train = tfds.load('mnist', split='train', data_dir=data_dir).map(normalize)
-  test = tfds.load('mnist', split='test', data_dir=data_dir).map(normalize)
+  test = tfds.load('mnist', split=test_split, data_dir=data_dir).map(normalize)
   train = train.shuffle(1024).batch(batch_size, drop_remainder=True).prefetch(1)
   test = test.batch(batch_size, drop_remainder=True).prefetch(1)
   return train, test

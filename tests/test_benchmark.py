@@ -159,8 +159,8 @@ def test_record_needs_the_workdir_it_reads():
 def test_measurement_reports_every_figure(tfds_data_dir, tmp_path, program):
   out = tmp_path / 'figures.json'
   subprocess.run(
-      # Toy sizes: 3 timed steps, a 64x64 matmul, and the project's eval (run 4 times) on one
-      # batch of 500 test images. The reference program evaluates its own test set.
+      # Toy sizes: 3 timed steps, a 64x64 matmul, and the eval (run 4 times) on 500 test images
+      # (the project's in one batch; the reference's in its batches of 128).
       [sys.executable, '-m', 'benchmarks.benchmark', f'--measure={program}', '--steps=3',
        '--matmul_size=64', f'--json={out}', f'--config.data_dir={tfds_data_dir}',
        '--config.eval_split=test[:500]', '--config.eval_batch_size=500'],
