@@ -36,8 +36,12 @@ class Attention(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     batch, tokens, features = x.shape
     qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, features // self.num_heads)
+    # Slices, not indexing: with a symbolic batch size (export), jnp's `qkv[:, :, 0]` is a
+    # gather, which TFLite's converter cannot translate.
+    query, key, value = (jax.lax.index_in_dim(qkv, part, axis=2, keepdims=False)
+                         for part in range(3))
     # Scaled by 1 / sqrt(head features), softmax over the keys, as torch's SDPA.
-    x = self.attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+    x = self.attend(query, key, value)
     return self.proj(x.reshape(batch, tokens, features))
 
 
@@ -104,7 +108,9 @@ class VisionTransformer(nnx.Module):
     x = jnp.concatenate([cls_token.astype(x.dtype), x], axis=1)
     x = x + self.pos_embed[...].astype(x.dtype)
     x = self.norm(common.run_blocks(self.blocks, x, self.remat))
-    return common.head(x[:, 0], self.dropout, self.head)
+    # The class token, sliced: see `Attention` for why not `x[:, 0]`.
+    return common.head(jax.lax.index_in_dim(x, 0, axis=1, keepdims=False), self.dropout,
+                       self.head)
 
 
 # timm's default weights of each: AugReg's ImageNet-21k pre-training fine-tuned on ImageNet-1k

@@ -16,11 +16,14 @@ when none was fitted). The JAX function exported is the same for all: the scale 
   tflite       `<workdir>/export_tflite/model.tflite` through TF's LiteRT converter;
   stablehlo    `<workdir>/export_stablehlo/model.stablehlo`: `jax.export`'s serialized bytes
                (`jax.export.deserialize(data).call(images)`), for CPU and CUDA.
-The last three take images of the training size (their resize ops are TF ops, which these
-runtimes cannot run): they refuse to export a `config.preprocess` whose image stage changes
-images of that size (a crop op), which only the SavedModel can carry. Every format's batch size
-is free. Each export is checked with its own runtime against the JAX model on probe images, and
-writes a model card next to it (model_card.py).
+The last three take the model-size image: the image after the resize and centre crop of the
+eval preprocessing, `config.preprocess`'s image stage and its crop's eval stand-in, written as
+ops in `Classifier.preparation` (e.g. `resize_small(235, interpolation='bicubic')|
+central_crop(224)`), which the model card (`preprocessing.prepare`) and the logged line name: their resize ops are TF
+ops, which these runtimes cannot run. Every format's batch size is free. Each export is checked
+with its own runtime against the JAX model on probe images prepared as the format takes them
+(the SavedModel's of another size than the model's), and writes a model card next to it
+(model_card.py).
 """
 
 import dataclasses
@@ -80,6 +83,19 @@ class Classifier:
   def images_spec(self, batch) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((batch, *self.info.image_shape), jnp.uint8)
 
+  @property
+  def preparation(self) -> str:
+    """The image ops, in `config.preprocess`'s language, that make an image of any size the
+    model-size image (eval's stages 1 and 2): the fixed-size formats' users apply them, the
+    SavedModel runs them inside. Without such ops, images of another size are stretched."""
+    height, width, _ = self.info.image_shape
+    return self.preprocess.resize_spec or (f'resize({height})' if height == width else
+                                           f'stretched to {height}x{width}')
+
+  def prepare(self, images: np.ndarray) -> np.ndarray:
+    """uint8 images of one size made model-size images, as eval and predict make them."""
+    return self.preprocess.resize(tf.constant(images), self.info.image_shape[:2]).numpy()
+
 
 def load_classifier(run: run_spec.Run, workdir: str, checkpoint: str = 'latest') -> Classifier:
   """The `Classifier` of a checkpoint (--checkpoint) of `workdir`."""
@@ -115,7 +131,6 @@ def export(run: run_spec.Run, workdir: str, export_format: str = 'saved_model',
     path = directory
     saved_model(classifier, path)
   else:
-    _check_fixed_size(classifier, export_format)
     path = os.path.join(directory, FILES[export_format])
     {'onnx': onnx, 'tflite': tflite, 'stablehlo': stablehlo}[export_format](classifier, path)
   try:
@@ -127,11 +142,12 @@ def export(run: run_spec.Run, workdir: str, export_format: str = 'saved_model',
   any_size = export_format == 'saved_model'
   model_card.write(directory, workdir, export_format=export_format, model_path=path,
                    step=classifier.step, info=classifier.info, any_size=any_size,
-                   preprocess=classifier.preprocess.spec, temperature=classifier.temperature)
+                   preprocess=classifier.preprocess.spec, preparation=classifier.preparation,
+                   temperature=classifier.temperature)
   height, width, channels = classifier.info.image_shape
-  size = (f'of any size, resized to {height}x{width} as in training' if any_size else
-          f'of the training size {height}x{width} only (resize them first, as '
-          'config.preprocess does)')
+  size = (f'of any size, made {height}x{width} inside by {classifier.preparation}' if any_size
+          else f'of {height}x{width}, prepared first by {classifier.preparation} as eval does '
+          '(docs/export.md)')
   logging.info('Exported the model of the checkpoint at step %d to %s.', classifier.step, path)
   print(f'Exported the model of step {classifier.step} as {export_format} to {path}. It takes '
         f'uint8 images (batch, height, width, {channels}), pixels 0-255, {size} '
@@ -140,20 +156,6 @@ def export(run: run_spec.Run, workdir: str, export_format: str = 'saved_model',
         f'|logit difference| {difference:.2g}). Model card: '
         f'{os.path.join(directory, model_card.MARKDOWN_FILE)}.')
   return path
-
-
-def _check_fixed_size(classifier: Classifier, export_format: str) -> None:
-  """A `ConfigError` if the image stage changes images of the training size: a fixed-size
-  format would then see other pixels than predict does."""
-  probe = np.random.default_rng(0).integers(0, 256, classifier.info.image_shape, np.uint8)
-  resized = classifier.preprocess.resize(tf.constant(probe), classifier.info.image_shape[:2])
-  if resized.shape == probe.shape and np.array_equal(resized.numpy(), probe):
-    return
-  raise errors.ConfigError(
-      f'--export_format={export_format} takes images of the training size, but '
-      f'config.preprocess={classifier.preprocess.spec!r} changes such images before the model '
-      '(a crop), which only the SavedModel carries: use --export_format=saved_model.',
-      key='preprocess', value=classifier.preprocess.spec)
 
 
 def _tf_module(classifier: Classifier, any_size: bool, platforms=PLATFORMS) -> tf.Module:
@@ -215,9 +217,52 @@ def onnx(classifier: Classifier, path: str) -> None:
   batch, = jax.export.symbolic_shape('batch')
   spec = classifier.images_spec(batch)
   jaxpr = jax.make_jaxpr(classifier.closed)(spec)
-  jax2onnx.to_onnx(lambda images: jax.core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, images)[0],
+  jax2onnx.to_onnx(lambda images: _with_onnx_max_pools(jaxpr, images)[0],
                    [spec], model_name='classifier', input_names=['images'],
                    output_names=['logits'], return_mode='file', output_path=path)
+
+
+def _with_onnx_max_pools(jaxpr: jax.extend.core.ClosedJaxpr, *args) -> list:
+  """`jaxpr` evaluated on `args` (as `jax.core.eval_jaxpr`), its NHWC max pools written as
+  ONNX Runtime runs them.
+
+  jax2onnx writes a max pool (`reduce_window_max`) as one ONNX MaxPool whose spatial axes are
+  all the operand's: an NHWC pool (a ResNet's stem) becomes a 4-D MaxPool, and ONNX Runtime
+  runs at most 3-D ones. With batch and channels folded into one leading axis (N*C, H, W) the
+  same pool is a 3-D MaxPool with a window of 1 on that axis: the same maxima.
+  """
+  env = dict(zip(jaxpr.jaxpr.constvars, jaxpr.consts)) | dict(zip(jaxpr.jaxpr.invars, args))
+  read = lambda var: var.val if isinstance(var, jax.extend.core.Literal) else env[var]
+  for eqn in jaxpr.jaxpr.eqns:
+    inputs = [read(var) for var in eqn.invars]
+    if eqn.primitive is jax.lax.reduce_window_max_p and _is_nhwc_pool(**eqn.params):
+      outputs = [_folded_max_pool(*inputs, **eqn.params)]
+    else:
+      outputs = eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(eqn.params))
+      outputs = outputs if eqn.primitive.multiple_results else [outputs]
+    env.update(zip(eqn.outvars, outputs))
+  return [read(var) for var in jaxpr.jaxpr.outvars]
+
+
+def _is_nhwc_pool(window_dimensions, window_strides, padding, base_dilation,
+                  window_dilation) -> bool:
+  """Whether a `reduce_window_max` pools the middle two of four axes only."""
+  return (len(window_dimensions) == 4 and set(base_dilation) == {1}
+          and all(values[0] == values[3] == 1 for values in
+                  (window_dimensions, window_strides, window_dilation))
+          and padding[0] == padding[3] == (0, 0))
+
+
+def _folded_max_pool(images: jax.Array, *, window_dimensions, window_strides, padding,
+                     base_dilation, window_dilation) -> jax.Array:
+  """An NHWC max pool computed on (N*C, H, W)."""
+  del base_dilation  # All 1 (`_is_nhwc_pool`).
+  batch, height, width, channels = images.shape
+  folded = jnp.transpose(images, (0, 3, 1, 2)).reshape(-1, height, width)
+  pooled = jax.lax.reduce_window(folded, -jnp.inf, jax.lax.max, (1, *window_dimensions[1:3]),
+                                 (1, *window_strides[1:3]), ((0, 0), *padding[1:3]),
+                                 window_dilation=(1, *window_dilation[1:3]))
+  return jnp.transpose(pooled.reshape(batch, channels, *pooled.shape[1:]), (0, 2, 3, 1))
 
 
 def stablehlo(classifier: Classifier, path: str) -> None:
@@ -250,11 +295,20 @@ def _require(module: str, export_format: str):
 
 
 def check(classifier: Classifier, export_format: str, path: str) -> float:
-  """The export's largest logit difference from the JAX model's on random probe images; a
-  `DataError` naming the format when its runtime disagrees (a converter's fault)."""
-  images = np.random.default_rng(0).integers(
-      0, 256, (_PROBE_IMAGES, *classifier.info.image_shape), np.uint8)
-  expected = np.asarray(jax.jit(classifier.closed)(images))
+  """The export's largest logit difference from the JAX model's on random probe images, each
+  as the format takes it; a `DataError` naming the format when its runtime disagrees (a
+  converter's fault).
+
+  The SavedModel's probes are of another size than the model's, and the JAX model gets them
+  made model-size images by eval's resize and crop (`Classifier.prepare`), as the SavedModel
+  makes them inside; the fixed-size formats' probes are model-size images.
+  """
+  height, width, channels = classifier.info.image_shape
+  any_size = export_format == 'saved_model'
+  size = (height + height // 2 + 1, width + width // 3 + 2) if any_size else (height, width)
+  images = np.random.default_rng(0).integers(0, 256, (_PROBE_IMAGES, *size, channels), np.uint8)
+  prepared = classifier.prepare(images) if any_size else images
+  expected = np.asarray(jax.jit(classifier.closed)(prepared))
   try:
     difference = float(np.abs(run_exported(export_format, path, images) - expected).max())
     reason = f"its logits differ from the JAX model's by up to {difference:.3g}"

@@ -42,8 +42,10 @@ def final_metrics(workdir: str) -> tuple[dict, dict]:
 
 
 def card(workdir: str, *, export_format: str, model_path: str, step: int,
-         info: base.DatasetInfo, any_size: bool, preprocess: str, temperature: float) -> dict:
-  """The model card's content (JSON values)."""
+         info: base.DatasetInfo, any_size: bool, preprocess: str, preparation: str,
+         temperature: float) -> dict:
+  """The model card's content (JSON values). `preparation`: the image ops (config.preprocess's
+  language) that make an image of any size the model-size image."""
   height, width, channels = info.image_shape
   config = workdirs.saved_config(workdir)
   final, test = final_metrics(workdir)
@@ -62,8 +64,12 @@ def card(workdir: str, *, export_format: str, model_path: str, step: int,
                  'divided_by_temperature': temperature},
       'preprocessing': {
           'config_preprocess': preprocess,
-          'inside': ('the image stage (resize to the training size) and the scale stage'
-                     if any_size else 'the scale stage; images come at the training size')},
+          'prepare': preparation,
+          'inside': (f'{preparation} (the eval resize and crop), then the scale stage'
+                     if any_size else 'the scale stage only'),
+          'before': None if any_size else (
+              f'{preparation}: the eval resize and crop, to {height}x{width} uint8 images '
+              '(docs/export.md)')},
       'temperature': temperature,
       'config': config.to_dict() if config is not None else None,
       'metrics': {'final': final, 'test': test},
@@ -84,8 +90,10 @@ def write(directory: str, workdir: str, **details) -> dict:
 def markdown(content: dict) -> str:
   """The card as Markdown."""
   shape = content['input']['shape']
-  size = ('fixed: the training size' if content['input']['fixed_size'] else
-          'any (resized inside to the training size)')
+  preprocessing = content['preprocessing']
+  size = (f"fixed: prepare each image by {preprocessing['prepare']} first" if
+          content['input']['fixed_size'] else f"any (made the model's size inside by "
+          f"{preprocessing['prepare']})")
   training = content['provenance']['training']
   first = training[0] if training else {}
   git = first.get('git') or {}
@@ -98,8 +106,9 @@ def markdown(content: dict) -> str:
       f'| input size | {size}: {content["input"]["training_size"]} |',
       f"| output `logits` | float32, shape {content['output']['shape']}, divided by the "
       f"temperature {content['temperature']:.4g}; softmax gives the probabilities |",
-      f"| preprocessing | config.preprocess={content['preprocessing']['config_preprocess']!r}: "
-      f"inside the model, {content['preprocessing']['inside']} |",
+      f"| preprocessing | config.preprocess={preprocessing['config_preprocess']!r}; "
+      f"before the model: {preprocessing['before'] or 'nothing'}; inside the model: "
+      f"{preprocessing['inside']} |",
       f"| classes ({len(content['classes'])}) | {', '.join(content['classes'])} |", '',
       '## Metrics', '', '| metric | value |', '| --- | --- |',
       *(f'| {name} | {value:.6g} |' for name, value in

@@ -63,12 +63,15 @@ class CropOp:
 
   Split in two so that a decoder can cut the window itself (only the window of a JPEG needs
   decoding): `window` draws it from the image's size, `resize` makes the window the output.
-  `eval_op` is the deterministic image op that eval, predict and export run in its place.
+  `eval_op` is the deterministic image op that eval, predict and export run in its place;
+  `eval_spec` writes it as image ops of this language, e.g. 'resize_small(256)|central_crop(224)'
+  (what a fixed-size export's user applies before the model).
   """
   # (size: int32 [height, width], seed [2]) -> int32 [top, left, height, width].
   window: Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
   resize: ImageOp
   eval_op: ImageOp
+  eval_spec: str
 
 
 def image_seed(epoch_seed, index: tf.Tensor) -> tf.Tensor:
@@ -110,6 +113,8 @@ class Preprocessing:
   random_ops: tuple[RandomOp, ...] = ()
   scale_op: ScaleOp | None = None
   keeps_uint8: bool = True  # Whether every random op runs on uint8 batches (stage 3).
+  # `resize`'s stages 1 and 2 written as image ops (the crop op's `eval_spec`); '' for none.
+  resize_spec: str = ''
 
   def resize(self, images: tf.Tensor, size: tuple[int, int] | None = None) -> tf.Tensor:
     """The deterministic stages 1 and 2 (the crop op's `eval_op`) on one uint8 image (H, W, C)
@@ -222,6 +227,7 @@ def parse(spec: str, key: str = _KEY) -> Preprocessing:
   ops = {stage: [] for stage in STAGES}
   last_stage = 0
   keeps_uint8 = True
+  resize_specs = []
   for text, entry, op in OPS.create_calls(spec, key):
     stage = STAGES.index(entry.capabilities['stage'])
     if stage < last_stage or (stage == last_stage and STAGES[stage] in _ONE_OP_STAGES):
@@ -232,13 +238,15 @@ def parse(spec: str, key: str = _KEY) -> Preprocessing:
           value=spec)
     last_stage = stage
     ops[STAGES[stage]].append(op)
+    if STAGES[stage] in ('image', 'crop'):
+      resize_specs.append(text if STAGES[stage] == 'image' else op.eval_spec)
     if STAGES[stage] == 'random':
       keeps_uint8 &= entry.capabilities.get('uint8', False)
   return Preprocessing(spec, key, image_ops=tuple(ops['image']),
                        crop_op=ops['crop'][0] if ops['crop'] else None,
                        random_ops=tuple(ops['random']),
                        scale_op=ops['scale'][0] if ops['scale'] else None,
-                       keeps_uint8=keeps_uint8)
+                       keeps_uint8=keeps_uint8, resize_spec='|'.join(resize_specs))
 
 
 # The ops' argument checks, each raising the ValueError that the registry reports as a

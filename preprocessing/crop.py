@@ -89,7 +89,8 @@ def random_resized_crop(size: int, scale: tuple[float, float] = (0.08, 1.0),
   return preprocessing.CropOp(
       window=window,
       resize=lambda image: resize.resize_window(image, size, method),
-      eval_op=lambda images: central_crop(size)(_shorter_side_to(images, eval_size, method)))
+      eval_op=lambda images: central_crop(size)(_shorter_side_to(images, eval_size, method)),
+      eval_spec=f'resize_small({eval_size}, interpolation={interpolation!r})|central_crop({size})')
 
 
 def pretrained_spec(pretrained_cfg: dict) -> str:

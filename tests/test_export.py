@@ -4,6 +4,7 @@ the model card says what the model takes and where it came from."""
 
 import csv
 import dataclasses
+import io
 import json
 import os
 import subprocess
@@ -21,6 +22,7 @@ from tests.helpers import build
 from tests.helpers.optional import requires_extras
 from core import errors
 from data_sources import base
+from data_sources import generated
 import image_folders
 import models
 import modes
@@ -130,20 +132,40 @@ _RUN = {
 }
 
 
-def _runtime_classes(export_format: str, path: str, files: list[str]) -> list[str]:
+# docs/export.md's preparation of a file for a fixed-size format, as its model card names it.
+_PREPARE = """
+    import preprocessing, tensorflow as tf  # this repository's ops, as predict runs them
+    prepare = preprocessing.parse(preparation).resize
+    images = [prepare(tf.io.decode_image(tf.io.read_file(file), 3, expand_animations=False))
+              .numpy() for file in files]"""
+
+
+def _runtime_logits(export_format: str, path: str, files: list[str],
+                    preparation: str | None = None) -> np.ndarray:
+  """The logits of the files from the export at `path`, run by its runtime in a fresh python
+  (with the repository on its path when `preparation` names the ops that prepare the images)."""
   script = textwrap.dedent("""
+      import json
       import sys
       import numpy as np
       from PIL import Image
-      path, files = sys.argv[1], sys.argv[2:]
+      path, preparation, files = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:]
       images = [np.asarray(Image.open(file).convert('RGB')) for file in files]
-      """) + textwrap.dedent(_RUN[export_format]) + textwrap.dedent("""
-      print(' '.join(str(int(np.argmax(row))) for row in np.asarray(logits)))
+      """) + (textwrap.dedent(_PREPARE) if preparation else '') + textwrap.dedent(
+          _RUN[export_format]) + textwrap.dedent("""
+      np.save(sys.stdout.buffer, np.asarray(logits))
       """)
-  result = subprocess.run([sys.executable, '-c', script, path, *files], capture_output=True,
-                          text=True, timeout=300)
-  assert result.returncode == 0, result.stderr[-3000:]
-  return [CLASSES[int(label)] for label in result.stdout.split()]
+  result = subprocess.run([sys.executable, '-c', script, path, json.dumps(preparation), *files],
+                          capture_output=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  return np.load(io.BytesIO(result.stdout))
+
+
+def _runtime_classes(export_format: str, path: str, files: list[str],
+                     preparation: str | None = None) -> list[str]:
+  return [CLASSES[int(label)] for label in
+          _runtime_logits(export_format, path, files, preparation).argmax(-1)]
 
 
 @pytest.mark.parametrize('export_format', export.FORMATS)
@@ -203,25 +225,20 @@ def test_a_missing_runtime_is_one_line_naming_the_extra(workdir, monkeypatch):
   assert (error.value.flag, error.value.package) == ('export_format', 'jax2onnx')
 
 
-@pytest.mark.slow
-def test_a_model_the_converter_gets_wrong_is_refused_and_not_left_behind(tmp_path):
-  """jax2onnx writes ResNet-18's max pooling as a 4-D MaxPool that ONNX Runtime cannot run."""
-  requires_extras(*EXTRAS['onnx'])
-  run = _make_workdir(str(tmp_path), _config(str(tmp_path / 'unused'), model='resnet18',
-                                             image_size=32), (32, 32, 3))
-  with pytest.raises(errors.DataError) as error:
-    export.export(run, str(tmp_path), 'onnx')
-  assert error.value.export_format == 'onnx'
-  assert not os.path.exists(error.value.what)
-
-
-def test_fixed_size_formats_refuse_an_image_stage_that_changes_training_size_images(workdir):
-  run, directory, _ = workdir
-  flipping = preprocessing.Preprocessing(spec='flip', image_ops=(tf.image.flip_left_right,))
-  flipped = dataclasses.replace(run, input=dataclasses.replace(run.input, preprocess=flipping))
-  with pytest.raises(errors.ConfigError) as error:
-    export.export(flipped, directory, 'stablehlo')
-  assert error.value.key == 'preprocess'
+def test_a_cropping_preprocess_exports_the_model_size_image_with_its_preparation(workdir):
+  """A fixed-size format takes the image after eval's resize and centre crop: the card names
+  those ops, and images prepared by them run as predict classifies the files."""
+  run, directory, files = workdir
+  cropping = preprocessing.parse(f'random_resized_crop({SIZE}, crop_pct=0.8)')
+  run = dataclasses.replace(run, input=dataclasses.replace(run.input, preprocess=cropping))
+  path = export.export(run, directory, 'stablehlo')
+  card = json.loads(open(os.path.join(os.path.dirname(path), model_card.JSON_FILE)).read())
+  assert card['preprocessing']['prepare'] == (
+      f"resize_small({int(SIZE / 0.8)}, interpolation='bilinear')|central_crop({SIZE})")
+  predicted = _predicted(run, directory, files[20, 30])
+  paths = sorted(predicted)
+  assert _runtime_classes('stablehlo', path, paths, card['preprocessing']['prepare']) == [
+      predicted[file] for file in paths]
 
 
 def _exported_models() -> list[str]:
@@ -234,16 +251,70 @@ def _exported_models() -> list[str]:
 
 
 @pytest.mark.parametrize('name', [
-    pytest.param(name, marks=pytest.mark.slow) if name in EXPORTED_BACKBONES else name
-    for name in _exported_models()])
-def test_every_model_family_exports_a_saved_model_with_its_logits(name, tmp_path):
-  """A model holding an nnx.List of blocks too (integer keys in its state)."""
+    pytest.param(name, marks=pytest.mark.slow) if models.MODELS.capability(name, 'pretrained')
+    else name for name in _exported_models()])
+def test_every_model_family_exports_to_every_format_with_its_logits(name, tmp_path):
+  """Each format, run by its runtime, computes the JAX model's logits (the SavedModel on images
+  of another size, made model-size by its resize inside). A model holding an nnx.List of
+  blocks too (integer keys in its state)."""
+  requires_extras(*(extra for extras in EXTRAS.values() for extra in extras))
   root = str(tmp_path / 'unused')
   run = _make_workdir(str(tmp_path), _config(root, model=name, image_size=32), (32, 32, 3))
-  path = export.export(run, str(tmp_path))
   model, _ = modes.load_model(run, str(tmp_path), modes.dataset_info(run, str(tmp_path)))
-  images = np.random.default_rng(0).integers(0, 256, (2, 32, 32, 3), np.uint8)
-  served = tf.saved_model.load(path).signatures['serving_default'](
-      images=tf.constant(images))['logits'].numpy()
-  expected = np.asarray(model(run.input.preprocess.scale(images))) / TEMPERATURE
-  np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-4)
+  images = np.random.default_rng(0).integers(0, 256, (2, 40, 48, 3), np.uint8)
+  prepared = run.input.preprocess.resize(tf.constant(images), (32, 32)).numpy()
+  expected = np.asarray(model(run.input.preprocess.scale(prepared))) / TEMPERATURE
+  for export_format in export.FORMATS:
+    path = export.export(run, str(tmp_path), export_format)
+    served = export.run_exported(export_format, path,
+                                 images if export_format == 'saved_model' else prepared)
+    np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-4, err_msg=export_format)
+
+
+@pytest.mark.slow
+def test_a_backbone_fine_tuned_from_imported_weights_exports_to_every_format(tmp_path):
+  """configs/finetune.py on a photo folder from timm's resnet18 weights (BatchNorm statistics
+  and the EMA moved by real steps; the pretrained preprocessing's centre crop at eval): every
+  format, fed as its model card says (the fixed-size ones the images after its resize and
+  crop), gives predict's classes and probabilities."""
+  requires_extras('timm', 'torch', 'safetensors',
+                  *(extra for extras in EXTRAS.values() for extra in extras))
+  import safetensors.torch  # pylint: disable=g-import-not-at-top
+  import timm  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  from configs import finetune  # pylint: disable=g-import-not-at-top
+  import train  # pylint: disable=g-import-not-at-top
+  root = str(tmp_path / 'photos')
+  # Lossless files: the runtimes' scripts decode with other libraries than predict.
+  generated.make_kind_folder(root, 'shapes', num_images=32, image_sizes=(40, 64), messy=False,
+                             formats=('PNG', 'BMP'))
+  torch.manual_seed(0)
+  weights = str(tmp_path / 'resnet18.safetensors')
+  safetensors.torch.save_file(timm.create_model('resnet18', num_classes=10).state_dict(), weights)
+  config = finetune.get_config()
+  config.update(dict(dataset=root, init_from=weights, num_epochs=2, batch_size=8,
+                     eval_batch_size=8, evaluators='accuracy', temperature_scaling=True,
+                     preprocess="random_resized_crop(32, interpolation='bicubic')|flip_lr|"
+                     "normalize('imagenet')"))
+  run = run_spec.resolve(config)
+  directory = str(tmp_path / 'workdir')
+  train.train_and_evaluate(run, directory)
+  with open(predict.predict(run, directory, root), newline='', encoding='utf-8') as file:
+    predicted = {row['file']: (row['class'], float(row['probability']))
+                 for row in csv.DictReader(file)}
+  files = sorted(predicted)
+  names = modes.dataset_info(run, directory).class_names
+  for export_format in export.FORMATS:
+    path = export.export(run, directory, export_format)
+    card = json.loads(open(os.path.join(path if os.path.isdir(path) else os.path.dirname(path),
+                                        model_card.JSON_FILE)).read())
+    assert card['preprocessing']['prepare'] == (
+        "resize_small(36, interpolation='bicubic')|central_crop(32)")
+    logits = _runtime_logits(export_format, path, files, card['preprocessing']['before'] and
+                             card['preprocessing']['prepare'])
+    probabilities = np.exp(logits - logits.max(-1, keepdims=True))
+    probabilities /= probabilities.sum(-1, keepdims=True)
+    assert [names[label] for label in probabilities.argmax(-1)] == [
+        predicted[file][0] for file in files], export_format
+    np.testing.assert_allclose(probabilities.max(-1), [predicted[file][1] for file in files],
+                               atol=1e-4, err_msg=export_format)
