@@ -1,8 +1,9 @@
 """Pretrained weights from PyTorch: timm's and torchvision's state_dicts into the backbones.
 
 A state_dict comes from a `.safetensors` file, a `.pth`/`.pt`/`.bin` file (read with torch's
-`weights_only` unpickler, which runs no code) or the local Hugging Face cache
-(`hf-hub:timm/resnet50.a1_in1k`). Each backbone family declares its key map as data, next to
+`weights_only` unpickler, which runs no code) or the Hugging Face Hub by name
+(`hf-hub:timm/resnet50.a1_in1k` or `timm/resnet50.a1_in1k`, downloaded on first use and cached:
+`backbones/hub.py`). Each backbone family declares its key map as data, next to
 its model: rules (regex on the torch key, this model's variable path, transform name), built
 with `conv_rules`, `norm_rules` and `linear_rules` below, and registered with the model
 (`@MODELS.register(name, key_map=...)`). The transforms are the layout changes between torch and
@@ -19,15 +20,13 @@ from flax import nnx
 import jax
 import numpy as np
 
+from backbones import hub
 from core import errors
 
 # (regex matching a whole torch key, template of the model's variable path, or None for keys
 # that hold nothing to load, the transform's name in TRANSFORMS).
 Rule = tuple[str, str | None, str]
 SUFFIXES = ('.safetensors', '.pth', '.pt', '.bin')
-HUB_PREFIX = 'hf-hub:'
-# The files a timm repository on the Hub may hold, in the order they are preferred.
-HUB_FILES = ('model.safetensors', 'pytorch_model.bin')
 # Checkpoint dicts of training scripts hold the state_dict under one of these keys.
 CHECKPOINT_KEYS = ('state_dict', 'model')
 
@@ -85,9 +84,10 @@ TRANSFORMS: dict[str, Callable[[np.ndarray, nnx.Variable], np.ndarray]] = {
 
 def is_pretrained_path(path: str) -> bool:
   """Whether `config.init_from` names PyTorch weights for `load_pretrained` (by its form: a
-  `.safetensors`, `.pth`, `.pt` or `.bin` file, or `hf-hub:<repo>`), rather than a workdir or
-  checkpoint of this app. Existence is `load_pretrained`'s to check, which says what is wrong."""
-  return path.startswith(HUB_PREFIX) or path.lower().endswith(SUFFIXES)
+  `.safetensors`, `.pth`, `.pt` or `.bin` file, or a Hub name: `hub.is_hub_name`), rather than a
+  workdir or checkpoint of this app. Existence is `load_pretrained`'s to check, which says what
+  is wrong."""
+  return hub.is_hub_name(path) or path.lower().endswith(SUFFIXES)
 
 
 def load_pretrained(model: nnx.Module, model_name: str, path: str,
@@ -98,7 +98,8 @@ def load_pretrained(model: nnx.Module, model_name: str, path: str,
   Arrays whose shape differs from the model's (a head for another number of classes) are left
   as initialised. Returns the names of the variables loaded and of the others, each with the
   reason. A `ConfigError` (key 'init_from') for a file that is missing, unreadable, holds
-  pickled code, or does not fit the architecture; a `MissingPackage` for a missing reader.
+  pickled code, or does not fit the architecture; a `DownloadError` (a `ConfigError`) for Hub
+  weights that cannot be had (`hub.download`); a `MissingPackage` for a missing reader.
   """
   import models  # pylint: disable=g-import-not-at-top  (models imports this package)
   key_map = models.MODELS.capability(model_name, 'key_map')
@@ -183,8 +184,8 @@ def _convert(state_dict: dict[str, np.ndarray], key_map: tuple[Rule, ...],
 
 def read_state_dict(path: str) -> dict[str, np.ndarray]:
   """{torch key: float32 array} of the state_dict that `path` names (see `load_pretrained`)."""
-  if path.startswith(HUB_PREFIX):
-    file = _hub_file(path)
+  if hub.is_hub_name(path):
+    file = hub.download(path)
   elif os.path.isfile(path):
     file = path
   else:
@@ -240,29 +241,3 @@ def _read_torch(file: str, path: str) -> dict[str, np.ndarray]:
   # DistributedDataParallel's wrapper prefixes every key with 'module.'.
   return {key.removeprefix('module.'): value.detach().float().numpy()
           for key, value in saved.items() if value.is_floating_point()}
-
-
-def _hub_cache_dir(huggingface_hub) -> str:
-  """The Hub cache of the environment now: huggingface_hub reads HF_HOME and HF_HUB_CACHE once,
-  at import, and the app (or a test) may set them later."""
-  if 'HF_HUB_CACHE' in os.environ:
-    return os.environ['HF_HUB_CACHE']
-  if 'HF_HOME' in os.environ:
-    return os.path.join(os.environ['HF_HOME'], 'hub')
-  return huggingface_hub.constants.HF_HUB_CACHE
-
-
-def _hub_file(path: str) -> str:
-  """The cached file of the Hub repository that `path` ('hf-hub:timm/<name>') names, from the
-  local cache only: this app does not download."""
-  huggingface_hub = _require_reader('huggingface_hub', path)
-  repo_id = path.removeprefix(HUB_PREFIX)
-  cache_dir = _hub_cache_dir(huggingface_hub)
-  for filename in HUB_FILES:
-    file = huggingface_hub.try_to_load_from_cache(repo_id, filename, cache_dir=cache_dir)
-    if isinstance(file, str):
-      return file
-  raise errors.ConfigError(
-      f'config.init_from={path!r} is not in the local Hugging Face cache {cache_dir} (set by '
-      f'HF_HOME): download it where there is internet, e.g. `hf download {repo_id} '
-      f'{HUB_FILES[0]}`, and copy the cache there.', key='init_from', value=path)

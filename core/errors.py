@@ -38,6 +38,14 @@ class MissingPackage(ConfigError):
   required = ('key', 'value', 'package')
 
 
+class DownloadError(ConfigError):
+  """Weights named by `key`'s `value` (a Hub name) that cannot be had: `reason` says why, one of
+  'no_network', 'repository_not_found', 'revision_not_found', 'file_not_found', 'gated',
+  'offline_not_cached', 'http_error', 'incomplete'."""
+  label = 'Download error'
+  required = ('key', 'value', 'reason')
+
+
 class FlagError(UserError):
   """A command-line flag that cannot work: `flag` and its `value`."""
   label = 'Flag error'

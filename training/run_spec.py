@@ -23,6 +23,7 @@ from absl import logging
 import ml_collections
 import optax
 
+from backbones import hub
 from backbones import weights
 from configs import default
 from core import errors
@@ -380,12 +381,15 @@ def _extra_evaluation(config: ml_collections.ConfigDict, name: str,
 
 
 def _checked_init_from(path: str | None) -> str | None:
-  """config.init_from, checked to exist before any data is read: PyTorch weights (a file, or
-  `hf-hub:` read when loaded) or a workdir or checkpoint of this app."""
-  if path and weights.is_pretrained_path(path):
-    _require(path.startswith(weights.HUB_PREFIX) or os.path.isfile(path), 'init_from', path,
+  """config.init_from, checked to exist before any data is read: PyTorch weights (a file, or a
+  Hub name, checked for its form here and downloaded when loaded) or a workdir or checkpoint of
+  this app."""
+  if path and hub.is_hub_name(path):
+    hub.parse(path)
+  elif path and weights.is_pretrained_path(path):
+    _require(os.path.isfile(path), 'init_from', path,
              f'config.init_from={path!r} is not a file: pass the path of a .safetensors (or '
-             '.pth, .pt, .bin) state_dict, or hf-hub:<repo> in the Hugging Face cache.')
+             '.pth, .pt, .bin) state_dict, or a Hub name (hf-hub:timm/resnet18.a1_in1k).')
   elif path:
     checkpointing.checkpoint_path(path)
   return path
