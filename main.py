@@ -2,7 +2,7 @@
 
 Rerunning the command on the same workdir resumes from its latest checkpoint. On a trained
 workdir, `--mode=eval` scores a checkpoint, `--mode=export` writes it as a TF SavedModel (or
-ONNX, TFLite, StableHLO: --export_format) and
+ONNX, TFLite, StableHLO or a plug-in format: --export_format) and
 `--mode=predict --inputs=PATH` classifies image files; they read the config the workdir was
 trained with, so they need only `--workdir`.
 
@@ -60,9 +60,11 @@ flags.DEFINE_enum('tta', None, list(calibration.TTA_CHOICES), '--mode=predict: t
                   '(--mode=eval: config.eval_tta).')
 flags.DEFINE_string('checkpoint', 'latest', '--mode=eval/export/predict: the checkpoint to use: '
                     'latest, best (best config.best_metric at an epoch end) or a step number.')
-flags.DEFINE_enum('export_format', 'saved_model', export.FORMATS,
-                  '--mode=export: saved_model (TensorFlow, images of any size), onnx (ONNX '
-                  'Runtime), tflite (LiteRT) or stablehlo (jax.export); each with a model card.')
+# A string, checked by the export against its registry: a plug-in format registered by a module
+# the config file imports is known only once the flags are parsed.
+flags.DEFINE_string('export_format', export.DEFAULT_FORMAT,
+                    f'--mode=export: the format, one of {", ".join(export.FORMATS.names())} or '
+                    "a plug-in's (docs/export.md); each with a model card.")
 flags.DEFINE_bool('verbose', False, "Show the libraries' start-up notices and INFO lines.")
 flags.DEFINE_string('coordinator_address', None,
                     'HOST:PORT of process 0, for a multi-process run (jax.distributed).')

@@ -20,14 +20,6 @@ from training import workdirs
 JSON_FILE = 'model_card.json'
 MARKDOWN_FILE = 'model_card.md'
 _TEST_PREFIX = 'test/'
-# How each format's runtime runs the export on uint8 images `images` (the model's file `path`).
-USAGE = {
-    'saved_model': "tf.saved_model.load(path).signatures['classify'](images=images)",
-    'onnx': "onnxruntime.InferenceSession(path).run(['logits'], {'images': images})[0]",
-    'tflite': ('ai_edge_litert.interpreter.Interpreter(model_path=path)'
-               ".get_signature_runner()(images=images)['logits']"),
-    'stablehlo': "jax.export.deserialize(open(path, 'rb').read()).call(images)",
-}
 
 
 def final_metrics(workdir: str) -> tuple[dict, dict]:
@@ -41,10 +33,11 @@ def final_metrics(workdir: str) -> tuple[dict, dict]:
   return final, test
 
 
-def card(workdir: str, *, export_format: str, model_path: str, step: int,
-         info: base.DatasetInfo, any_size: bool, preprocess: str, preparation: str,
-         temperature: float) -> dict:
-  """The model card's content (JSON values). `preparation`: the image ops (config.preprocess's
+def card(workdir: str, *, export_format: str, model_path: str, usage: str,
+         format_details: dict, step: int, info: base.DatasetInfo, any_size: bool,
+         preprocess: str, preparation: str, temperature: float) -> dict:
+  """The model card's content (JSON values). `usage`: the Python line that runs the model;
+  `format_details`: the format's own entries; `preparation`: the image ops (config.preprocess's
   language) that make an image of any size the model-size image."""
   height, width, channels = info.image_shape
   config = workdirs.saved_config(workdir)
@@ -52,7 +45,8 @@ def card(workdir: str, *, export_format: str, model_path: str, step: int,
   return {
       'format': export_format,
       'model': os.path.basename(model_path),
-      'usage': USAGE[export_format],
+      'usage': usage,
+      'format_details': format_details,
       'checkpoint_step': step,
       'exported': datetime.datetime.now().isoformat(timespec='seconds'),
       'classes': list(info.class_names),

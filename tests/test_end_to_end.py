@@ -72,4 +72,5 @@ def test_short_real_mnist_run(tfds_data_dir, tmp_path):
   assert report['num_examples'] == 500 and 'eval/accuracy' in report['metrics']
   exported = main(f'--workdir={workdir}', '--mode=export')
   assert exported.returncode == 0, exported.stderr[-3000:]
-  assert 'It takes uint8 images (batch, height, width, 1), pixels 0-255' in exported.stdout
+  with open(os.path.join(workdir, 'export', 'model_card.json'), encoding='utf-8') as file:
+    assert json.load(file)['input']['shape'] == ['batch', None, None, 1]

@@ -1,4 +1,4 @@
-"""Export (modes/export.py): every format, run by its own runtime on uint8 image files, gives
+"""Export (modes/export/): every format, run by its own runtime on uint8 image files, gives
 predict's classes; every registered model exports as a SavedModel with the JAX model's logits;
 the model card says what the model takes and where it came from."""
 
@@ -28,6 +28,7 @@ import models
 import modes
 from modes import export
 from modes import model_card
+from modes.export import stablehlo
 from modes import predict
 import preprocessing
 from training import calibration
@@ -43,6 +44,7 @@ TEMPERATURE = 2.0
 # The optional extras each format needs to export and run (the others come with the app).
 EXTRAS = {'saved_model': (), 'onnx': ('jax2onnx', 'onnxruntime'), 'tflite': ('ai_edge_litert',),
           'stablehlo': ()}
+BUILT_IN = tuple(EXTRAS)  # The formats of modes/export/ (a test registers one more).
 # The backbones exported by the slow tier: the smallest of each family (a family is one class
 # at other depths and widths, which flattening its weights into named TF variables does not see).
 # A family missing here is exported whole, in the fast tier.
@@ -168,7 +170,7 @@ def _runtime_classes(export_format: str, path: str, files: list[str],
           _runtime_logits(export_format, path, files, preparation).argmax(-1)]
 
 
-@pytest.mark.parametrize('export_format', export.FORMATS)
+@pytest.mark.parametrize('export_format', BUILT_IN)
 def test_each_format_in_its_runtime_classifies_as_predict(workdir, export_format):
   requires_extras(*EXTRAS[export_format])
   run, directory, files = workdir
@@ -225,6 +227,31 @@ def test_a_missing_runtime_is_one_line_naming_the_extra(workdir, monkeypatch):
   assert (error.value.flag, error.value.package) == ('export_format', 'jax2onnx')
 
 
+@export.FORMATS.register('off_by_one_for_test')
+class OffByOne(stablehlo.StableHLO):
+  """A format plug-in whose runtime gets the logits wrong, as a faulty converter would."""
+  directory = 'export_off_by_one_for_test'
+
+  def run(self, path, images):
+    return super().run(path, images) + 1
+
+
+def test_a_format_whose_runtime_disagrees_is_refused_and_not_left_behind(workdir):
+  run, directory, _ = workdir
+  with pytest.raises(errors.DataError) as error:
+    export.export(run, directory, 'off_by_one_for_test')
+  assert error.value.export_format == 'off_by_one_for_test'
+  assert error.value.what == os.path.join(directory, OffByOne.directory, OffByOne.file)
+  assert not os.listdir(os.path.dirname(error.value.what))  # Neither the model nor a card.
+
+
+def test_an_unknown_format_is_one_line_naming_the_flag(workdir):
+  run, directory, _ = workdir
+  with pytest.raises(errors.FlagError) as error:
+    export.export(run, directory, 'pickle')
+  assert (error.value.flag, error.value.value) == ('export_format', 'pickle')
+
+
 def test_a_cropping_preprocess_exports_the_model_size_image_with_its_preparation(workdir):
   """A fixed-size format takes the image after eval's resize and centre crop: the card names
   those ops, and images prepared by them run as predict classifies the files."""
@@ -264,10 +291,10 @@ def test_every_model_family_exports_to_every_format_with_its_logits(name, tmp_pa
   images = np.random.default_rng(0).integers(0, 256, (2, 40, 48, 3), np.uint8)
   prepared = run.input.preprocess.resize(tf.constant(images), (32, 32)).numpy()
   expected = np.asarray(model(run.input.preprocess.scale(prepared))) / TEMPERATURE
-  for export_format in export.FORMATS:
+  for export_format in BUILT_IN:
     path = export.export(run, str(tmp_path), export_format)
-    served = export.run_exported(export_format, path,
-                                 images if export_format == 'saved_model' else prepared)
+    served = export.format_named(export_format).run(
+        path, images if export_format == 'saved_model' else prepared)
     np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-4, err_msg=export_format)
 
 
@@ -304,7 +331,7 @@ def test_a_backbone_fine_tuned_from_imported_weights_exports_to_every_format(tmp
                  for row in csv.DictReader(file)}
   files = sorted(predicted)
   names = modes.dataset_info(run, directory).class_names
-  for export_format in export.FORMATS:
+  for export_format in BUILT_IN:
     path = export.export(run, directory, export_format)
     card = json.loads(open(os.path.join(path if os.path.isdir(path) else os.path.dirname(path),
                                         model_card.JSON_FILE)).read())
