@@ -262,7 +262,9 @@ def test_a_malformed_name_is_refused_by_the_config_check():
 
 
 def _predict(root: str, inputs: str, init_from: str, workdir: str, env: dict[str, str]):
-  """main.py --mode=predict with `init_from`: the process and its predictions' rows."""
+  """main.py --mode=predict with `init_from`, writing into the (new, empty) `workdir`: the
+  process and its predictions.csv."""
+  os.makedirs(workdir)
   command = [sys.executable, 'main.py', '--mode=predict', '--config=configs/finetune.py',
              f'--config.dataset={root}', '--config.model=resnet18',
              f'--config.init_from={init_from}', f'--inputs={inputs}', f'--workdir={workdir}']
