@@ -16,6 +16,8 @@ from core import errors
 HUB_PREFIX = 'hf-hub:'
 # The short form: timm's own repositories, as timm's model names read (`timm/resnet18.a1_in1k`).
 TIMM_PREFIX = 'timm/'
+# The suffixes of a weights file's path (a `timm/<name>` with one is a file, existing or not).
+FILE_SUFFIXES = ('.safetensors', '.pth', '.pt', '.bin')
 # The files a timm repository on the Hub may hold, in the order they are preferred.
 HUB_FILES = ('model.safetensors', 'pytorch_model.bin')
 # The values of HF_HUB_OFFLINE that huggingface_hub takes for true.
@@ -29,24 +31,29 @@ def is_hub_name(path: str) -> bool:
   if path.startswith(HUB_PREFIX):
     return True
   return (path.startswith(TIMM_PREFIX) and path.count('/') == 1 and len(path) > len(TIMM_PREFIX)
-          and not os.path.exists(path))
+          and not path.lower().endswith(FILE_SUFFIXES) and not os.path.exists(path))
 
 
 def parse(path: str) -> tuple[str, str | None]:
   """The repository id and revision (None: the default branch) that the Hub name `path` names
   (`is_hub_name`); a `ConfigError` (key 'init_from') if the id is not a valid one."""
-  name = path.removeprefix(HUB_PREFIX)
-  repo_id, _, revision = name.partition('@')
+  repo_id, at, revision = path.removeprefix(HUB_PREFIX).partition('@')
   huggingface_hub = _require(path)
-  try:
-    huggingface_hub.utils.validate_repo_id(repo_id)
-    if '/' not in repo_id or (not revision and name.endswith('@')):
-      raise huggingface_hub.errors.HFValidationError('not <org>/<name>[@<revision>]')
-  except huggingface_hub.errors.HFValidationError as error:
+  problem = None
+  if repo_id.count('/') != 1:
+    problem = f'{repo_id!r} is not <org>/<name>'
+  elif at and not revision:
+    problem = 'no revision after @'
+  else:
+    try:
+      huggingface_hub.utils.validate_repo_id(repo_id)
+    except huggingface_hub.errors.HFValidationError as error:
+      problem = str(error)
+  if problem:
     raise errors.ConfigError(
-        f'config.init_from={path!r} is not a Hub name: {error}. Give hf-hub:<org>/<name> (e.g. '
-        'hf-hub:timm/resnet18.a1_in1k), optionally @<revision>.', key='init_from',
-        value=path) from None
+        f'config.init_from={path!r} is not a Hub name ({problem}): give hf-hub:<org>/<name> '
+        '(e.g. hf-hub:timm/resnet18.a1_in1k), optionally @<revision>.', key='init_from',
+        value=path)
   return repo_id, revision or None
 
 

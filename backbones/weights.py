@@ -26,7 +26,6 @@ from core import errors
 # (regex matching a whole torch key, template of the model's variable path, or None for keys
 # that hold nothing to load, the transform's name in TRANSFORMS).
 Rule = tuple[str, str | None, str]
-SUFFIXES = ('.safetensors', '.pth', '.pt', '.bin')
 # Checkpoint dicts of training scripts hold the state_dict under one of these keys.
 CHECKPOINT_KEYS = ('state_dict', 'model')
 
@@ -87,7 +86,7 @@ def is_pretrained_path(path: str) -> bool:
   `.safetensors`, `.pth`, `.pt` or `.bin` file, or a Hub name: `hub.is_hub_name`), rather than a
   workdir or checkpoint of this app. Existence is `load_pretrained`'s to check, which says what
   is wrong."""
-  return hub.is_hub_name(path) or path.lower().endswith(SUFFIXES)
+  return hub.is_hub_name(path) or path.lower().endswith(hub.FILE_SUFFIXES)
 
 
 def load_pretrained(model: nnx.Module, model_name: str, path: str,

@@ -19,9 +19,11 @@ import pytest
 
 from backbones import hub
 from backbones import weights
+from configs import default
 from core import errors
 from tests.helpers.optional import requires_extras
 from tests.test_backbones import _create
+from training import run_spec
 
 REPO = 'stand-in/resnet18.seeded'
 NUM_CLASSES = 4  # The classes of `python -m data_sources.generated --kind=shapes`.
@@ -210,6 +212,10 @@ def test_revision_and_short_form(served, model, from_file, tmp_path, monkeypatch
   os.makedirs('timm/resnet18.seeded')  # A workdir of that name: it is no Hub name any more.
   assert not hub.is_hub_name('timm/resnet18.seeded')
   assert not weights.is_pretrained_path('timm/resnet18.seeded')
+  assert not hub.is_hub_name('timm/resnet18.safetensors')  # A file, even a missing one.
+  with pytest.raises(errors.ConfigError) as raised:
+    weights.read_state_dict('timm/resnet18.safetensors')
+  assert not isinstance(raised.value, errors.DownloadError)
 
 
 def test_offline_without_the_cache_is_one_line(served, monkeypatch):
@@ -253,11 +259,15 @@ def test_an_interrupted_download_leaves_no_broken_entry(served, model, from_file
   _assert_equal(_load(model, name), from_file)
 
 
-def test_a_malformed_name_is_refused_by_the_config_check():
+def test_a_malformed_name_is_refused_by_the_config_check(tmp_path):
+  """Before any data is read (the dataset folder does not exist) or any request is made."""
   requires_extras('huggingface_hub')
-  for name in ('hf-hub:resnet18', 'hf-hub:timm/a/b', 'hf-hub:timm/resnet18@'):
+  for name in ('hf-hub:resnet18', 'hf-hub:timm/a/b', 'hf-hub:timm/resnet18@', 'hf-hub:timm/a b'):
+    config = default.get_config()
+    config.update(dict(data_source='folder', dataset=str(tmp_path / 'none'), model='resnet18',
+                       init_from=name))
     with pytest.raises(errors.ConfigError) as raised:
-      hub.parse(name)
+      run_spec.resolve(config)
     assert (raised.value.key, raised.value.value) == ('init_from', name)
 
 
