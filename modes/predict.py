@@ -191,6 +191,7 @@ def predict(run: run_spec.Run, workdir: str, inputs: str | None, checkpoint: str
       'file', *(f'{column}_{rank}' for rank in range(1, top_k + 1)
                 for column in ('class', 'probability')))
   path = os.path.join(workdir, PREDICTIONS_FILE)
+  os.makedirs(workdir, exist_ok=True)  # A workdir of init_from's weights, never trained in.
   with open(path, 'w', newline='', encoding='utf-8') as file:
     writer = csv.writer(file)
     writer.writerow(header)

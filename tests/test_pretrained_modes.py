@@ -52,7 +52,8 @@ def test_eval_and_predict_score_imported_weights_before_training(tmp_path):
   assert scores['eval/num_examples'] == len(files['test']) == 18
   assert scores['eval/accuracy'] == pytest.approx(expected)
 
-  predictions = predict.predict(run, workdir, os.path.join(root, 'test'))
+  # Into a workdir of its own that does not exist yet: predict creates it.
+  predictions = predict.predict(run, str(tmp_path / 'predictions'), os.path.join(root, 'test'))
   with open(predictions, newline='', encoding='utf-8') as file:
     rows = list(csv.reader(file))
   assert len(rows) == 1 + 18 and rows[0] == ['file', 'class', 'probability']
