@@ -6,9 +6,9 @@
 `root/train/<class name>/<image>` (any size, JPEG/PNG/BMP/GIF); the last 10% of `train` (files
 ordered by a hash of their path, so every class is in both parts) is held out and evaluated
 after every epoch, as in configs/images.py. `init_from` takes the weights users have: a timm or
-torchvision state_dict (`.safetensors`, or `.pth`/`.bin` read with weights_only), a timm hub
-name in the local Hugging Face cache (`hf-hub:timm/resnet18.a1_in1k`), or a workdir of this app
-(docs/fine_tuning.md). The head is new for your classes (one log line says so).
+torchvision state_dict (`.safetensors`, or `.pth`/`.bin` read with weights_only), a Hugging
+Face Hub name (`hf-hub:timm/resnet18.a1_in1k`, downloaded on first use, then read from the
+cache), or a workdir of this app (docs/fine_tuning.md). The head is new for your classes (one log line says so).
 
 With pretrained weights and `preprocess` left empty, the run takes the preprocessing the
 weights were trained with (the model's timm `pretrained_cfg`): training a random resized crop

@@ -2,8 +2,9 @@
 
 `init_from` names a workdir of this app (its best checkpoint, else its newest), a checkpoint
 directory, or PyTorch weights of a pretrained backbone: a timm/torchvision state_dict file
-(`.safetensors`, `.pth`, `.pt`, `.bin`) or `hf-hub:<repo>` in the local Hugging Face cache
-(`backbones/weights.py`). Parameters of another path or shape (a new head) start fresh.
+(`.safetensors`, `.pth`, `.pt`, `.bin`) or a Hugging Face Hub name, `hf-hub:<repo>`, downloaded
+on first use (`backbones/weights.py`, `backbones/hub.py`). Parameters of another path or shape
+(a new head) start fresh.
 """
 
 import contextlib
