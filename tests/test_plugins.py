@@ -1,7 +1,7 @@
 """Each kind of plug-in is added in one file outside the app's tree (tests/helpers/plugins.py)
-and trained with from config values alone: a model, a data source, a preprocessing op, a loss,
-an optimizer, an evaluator and a logger. Nothing in the app names them: their registrations
-are the whole change.
+and trained and exported with from config values alone: a model, a data source, a preprocessing
+op, a loss, an optimizer, an evaluator, a logger and an export format. Nothing in the app names
+them: their registrations are the whole change.
 """
 
 import json
@@ -10,6 +10,8 @@ import os
 import pytest
 
 from core import errors
+from modes import export
+from modes import model_card
 import train
 from training import run_spec
 from training import summaries
@@ -29,6 +31,13 @@ def test_one_of_each_kind_trains_from_the_config_alone(tmp_path):
           if line['name'] == 'eval/mean_confidence'} == {
               (step, values['eval/mean_confidence']) for step, values in written.items()
               if 'eval/mean_confidence' in values}
+  # The export format: written, checked against the JAX model by its own runtime, carded.
+  path = export.export(run_spec.resolve(plugins.stripes_config()), str(tmp_path),
+                       'cpu_stablehlo_for_test')
+  assert path == os.path.join(tmp_path, plugins.CpuStableHLO.directory, 'model.bin')
+  with open(os.path.join(os.path.dirname(path), model_card.JSON_FILE), encoding='utf-8') as file:
+    card = json.load(file)
+  assert card['format_details'] == {'platforms': ['cpu'], 'classes': 2}
 
 
 @pytest.mark.parametrize('section,options,key', [

@@ -1,6 +1,7 @@
 """One plug-in of each kind, in one file outside the app's tree, as a user adds them: a model, a
-data source, a preprocessing op, a loss, an optimizer, an evaluator and a logger. Importing this
-module registers them; nothing in the app names them (tests/test_plugins.py trains with them).
+data source, a preprocessing op, a loss, an optimizer, an evaluator, a logger and an export
+format. Importing this module registers them; nothing in the app names them
+(tests/test_plugins.py trains and exports with them).
 """
 
 import json
@@ -17,6 +18,7 @@ import data_sources
 from data_sources import base
 import models
 import preprocessing
+from modes import export
 from training import evaluators
 from training import loggers
 from training import losses
@@ -128,3 +130,25 @@ class ScalarsLog(loggers.Writer):
     with open(self._path, 'a', encoding='utf-8') as file:
       for name, value in scalars.items():
         file.write(json.dumps({'step': int(step), 'name': name, 'value': float(value)}) + '\n')
+
+
+@export.FORMATS.register('cpu_stablehlo_for_test')
+class CpuStableHLO(export.Format):
+  """`jax.export`'s serialized StableHLO lowered for the CPU alone, model-size images."""
+  directory = 'export_cpu_stablehlo_for_test'
+  file = 'model.bin'
+  usage = "jax.export.deserialize(open(path, 'rb').read()).call(images)"
+
+  def write(self, classifier, path):
+    batch, = jax.export.symbolic_shape('batch')
+    exported = jax.export.export(jax.jit(classifier.closed), platforms=('cpu',))(
+        classifier.images_spec(batch))
+    with open(path, 'wb') as file:
+      file.write(exported.serialize())
+
+  def run(self, path, images):
+    with open(path, 'rb') as file:
+      return np.asarray(jax.export.deserialize(file.read()).call(images))
+
+  def card_fields(self, classifier):
+    return {'platforms': ['cpu'], 'classes': len(classifier.info.class_names)}
