@@ -6,7 +6,7 @@ the data's fingerprint (source, dataset, split sizes, class names, image shape; 
 folder a hash of its file list, for a CSV source a hash of the CSV file). Earlier records are
 kept, so a resumed run never hides what the first one trained on; one whose data fingerprint
 differs from the previous record's says what changed in one warning line. The model card of an
-export (modes/export.py) reports these records.
+export (modes/model_card.py) reports these records.
 """
 
 import datetime
