@@ -13,6 +13,7 @@ import pytest
 
 from backbones import common
 from backbones import weights
+from tests.helpers.build import create_backbone
 from tests.helpers.optional import requires_extras
 from core import errors
 import kernels
@@ -25,16 +26,6 @@ BACKBONES = (*RESNETS, *VITS, 'convnext_tiny', 'efficientnet_b0')
 # Comparing these with timm's at 224 px takes over ~20 s on 2 CPU cores (mostly compilation).
 SLOW = ('resnet50', 'vit_small_patch16_224', 'vit_base_patch16_224', 'convnext_tiny',
         'efficientnet_b0')
-
-
-def _create(name: str, image_shape=(224, 224, 3), num_classes=NUM_CLASSES,
-            layers: kernels.Layers = kernels.STOCK_LAYERS, **options) -> nnx.Module:
-  """Our `name` through the registry, initialised as one program compiled at XLA's lowest
-  optimisation level: it runs once, and so compiles and runs several times faster."""
-  factory = models.MODELS.entry(name).factory
-  create = nnx.jit(lambda: factory(image_shape, num_classes, layers=layers, rngs=nnx.Rngs(0),
-                                   **options))
-  return create.lower().compile({'xla_backend_optimization_level': 0})()
 
 
 def _randomise(torch_model) -> None:
@@ -113,7 +104,7 @@ def _num_arrays(model: nnx.Module) -> int:
 def test_same_logits_and_parameters_as_timm(name, layers, tmp_path):
   torch_model = _timm_model(name)
   path = _save_safetensors(torch_model, tmp_path / f'{name}.safetensors')
-  model = _create(name, layers=layers)
+  model = create_backbone(name, layers=layers)
   loaded, fresh = weights.load_pretrained(model, name, path)
   assert not fresh
   assert len(loaded) == _num_arrays(model)
@@ -132,7 +123,7 @@ def test_vit_at_another_size_resamples_the_position_embedding(image_size, tmp_pa
   torch_model = _timm_model(name, img_size=image_size)
   torch_model.load_state_dict(
       vision_transformer.checkpoint_filter_fn(checkpoint_model.state_dict(), torch_model))
-  model = _create(name, image_shape=(*image_size, 3))
+  model = create_backbone(name, image_shape=(*image_size, 3))
   assert weights.load_pretrained(model, name, path)[1] == []
   _assert_same_logits(torch_model, model, _images(*image_size))
 
@@ -161,7 +152,7 @@ def test_torchvision_resnet_state_dict(name, tmp_path):
   assert torch_model.state_dict().keys() == _timm_model(name).state_dict().keys()
   path = str(tmp_path / f'{name}.pth')
   torch.save(torch_model.state_dict(), path)
-  model = _create(name)
+  model = create_backbone(name)
   assert weights.load_pretrained(model, name, path)[1] == []
   _assert_same_logits(torch_model, model, _images(224, 224))
 
@@ -185,11 +176,11 @@ def fixture_resnet18_file(tmp_path_factory) -> str:
 @pytest.fixture(name='small_resnet18', scope='module')
 def fixture_small_resnet18() -> nnx.Module:
   """Our resnet18 for 32x32 images, 7 classes (built once: building takes seconds)."""
-  return _create('resnet18', image_shape=(32, 32, 3))
+  return create_backbone('resnet18', image_shape=(32, 32, 3))
 
 
 def test_head_for_another_number_of_classes_stays_fresh(resnet18_file):
-  model = _create('resnet18', image_shape=(32, 32, 3), num_classes=3)
+  model = create_backbone('resnet18', image_shape=(32, 32, 3), num_classes=3)
   initial_head = np.asarray(model.fc.kernel[...])
   loaded, fresh = weights.load_pretrained(model, 'resnet18', resnet18_file)
   assert fresh == ['fc.bias ((3,), (7,) there)', 'fc.kernel ((512, 3), (512, 7) there)']
@@ -225,7 +216,7 @@ def _assert_refused(model: nnx.Module, model_name: str, path: str) -> None:
 
 
 def test_wrong_architecture_is_refused(resnet18_file):
-  vit = _create('vit_tiny_patch16_224', image_shape=(32, 32, 3))
+  vit = create_backbone('vit_tiny_patch16_224', image_shape=(32, 32, 3))
   _assert_refused(vit, 'vit_tiny_patch16_224', resnet18_file)
 
 
@@ -380,7 +371,7 @@ def test_drop_path_drops_whole_examples_in_training_only():
 
 @pytest.mark.parametrize('name', ['resnet18', 'vit_tiny_patch16_224'])
 def test_drop_paths_grow_linearly_and_follow_eval(name):
-  model = _create(name, image_shape=(32, 32, 3), drop_path_rate=0.1)
+  model = create_backbone(name, image_shape=(32, 32, 3), drop_path_rate=0.1)
   drop_paths = [module for _, module in nnx.iter_modules(model)
                 if isinstance(module, common.DropPath)]
   rates = [drop_path.rate for drop_path in drop_paths]
@@ -395,7 +386,7 @@ def test_drop_paths_grow_linearly_and_follow_eval(name):
 @pytest.mark.parametrize('name', ['resnet18', 'vit_tiny_patch16_224'])
 def test_remat_keeps_the_gradients(name):
   images = _images(32, 32)
-  model = _create(name, image_shape=(32, 32, 3))
+  model = create_backbone(name, image_shape=(32, 32, 3))
   _perturb(model)
   if name == 'vit_tiny_patch16_224':
     # One block shows it (remat wraps each alike) and compiles in a fraction of twelve's time.
@@ -414,6 +405,6 @@ def test_cpu_layers_train_as_the_stock_layers():
   channel and amplify rounding chaotically (there even the batch's order moved a gradient by
   0.7%); at 64 px the two layer sets' gradients agreed to 1.3e-6."""
   images = _images(64, 64)
-  stock = _loss_and_grads(_create('resnet18', (64, 64, 3)), images)
-  cpu = _loss_and_grads(_create('resnet18', (64, 64, 3), layers=kernels.CPU_LAYERS), images)
+  stock = _loss_and_grads(create_backbone('resnet18', (64, 64, 3)), images)
+  cpu = _loss_and_grads(create_backbone('resnet18', (64, 64, 3), layers=kernels.CPU_LAYERS), images)
   _assert_trees_close(cpu, stock, 1e-4)

@@ -21,8 +21,8 @@ from backbones import hub
 from backbones import weights
 from configs import default
 from core import errors
+from tests.helpers.build import create_backbone
 from tests.helpers.optional import requires_extras
-from tests.test_backbones import _create
 from training import run_spec
 
 REPO = 'stand-in/resnet18.seeded'
@@ -127,7 +127,7 @@ def fixture_weights_file(tmp_path_factory) -> str:
 def fixture_model():
   """Our resnet18 for 32x32 images (built once: building takes seconds); `_load` zeroes it
   before each load, so that no test passes on the weights an earlier load left."""
-  return _create('resnet18', image_shape=(32, 32, 3), num_classes=NUM_CLASSES)
+  return create_backbone('resnet18', image_shape=(32, 32, 3), num_classes=NUM_CLASSES)
 
 
 @pytest.fixture(name='from_file', scope='module')

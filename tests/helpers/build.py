@@ -1,11 +1,14 @@
 """Building what a test trains or reads, as the app builds it: data, a training state and its
 train step, random batches."""
 
+from flax import nnx
 import numpy as np
 
 from configs import default
 from data_sources import base
 import input_pipeline
+import kernels
+import models
 from training import run_spec
 from training import state as state_lib
 
@@ -46,3 +49,13 @@ def create_state(config, info, steps_per_epoch: int):
 def open_source(config):
   """The data source that `config` names, opened with its options."""
   return run_spec.resolve(config).input.source()
+
+
+def create_backbone(name: str, image_shape=(224, 224, 3), num_classes=7,
+                    layers: kernels.Layers = kernels.STOCK_LAYERS, **options) -> nnx.Module:
+  """Our `name` through the registry, initialised as one program compiled at XLA's lowest
+  optimisation level: it runs once, and so compiles and runs several times faster."""
+  factory = models.MODELS.entry(name).factory
+  create = nnx.jit(lambda: factory(image_shape, num_classes, layers=layers, rngs=nnx.Rngs(0),
+                                   **options))
+  return create.lower().compile({'xla_backend_optimization_level': 0})()
