@@ -19,11 +19,15 @@ the app keeps the best epoch-end checkpoint besides the newest `max_to_keep`, an
 others through the manager.
 """
 
+import contextlib
 import errno
+import gc
 import json
 import os
 import re
 import shutil
+import sys
+import threading
 import time
 
 from absl import logging
@@ -94,6 +98,56 @@ def _first_line(error: Exception) -> str:
   return f'{type(error).__name__}: {text[:200]}{"..." if len(text) > 200 else ""}'
 
 
+
+
+# A damaged checkpoint's restore fails on its first unreadable array, and Orbax abandons the
+# reads still in flight: TensorStore ends them into Orbax's closed event loop ('Event loop is
+# closed', printed through sys.excepthook by TensorStore's thread) and their coroutines are
+# reported as unraisable when collected: tracebacks after the one-line warning. Neither library
+# offers a way to wait for or cancel those reads, so a failed restore collects them at once
+# and gives the late ones a moment, while its own reports are held; see `_restore_reports`.
+_ABANDONED_READS_S = 1.0
+
+
+@contextlib.contextmanager
+def _restore_reports():
+  """While the block runs, reports of uncaught, thread and unraisable exceptions are held, and
+  given back to the hooks in force when it ends, but, if the block fails, those of its own
+  failure (raised in Orbax or TensorStore, or 'Event loop is closed'): the restore's error says
+  it once, in one line. A report of anything else (another thread's failure) is never lost."""
+  held = []
+  hooks = (sys.excepthook, threading.excepthook, sys.unraisablehook)
+  sys.excepthook = lambda *report: held.append((0, report, report[1]))
+  threading.excepthook = lambda report: held.append((1, report, report.exc_value))
+  sys.unraisablehook = lambda report: held.append((2, report, report.exc_value))
+  failed = False
+  try:
+    yield
+  except Exception:
+    failed = True
+    gc.collect()  # The abandoned reads' coroutines, reported now.
+    time.sleep(_ABANDONED_READS_S)  # TensorStore's reads still in flight end meanwhile.
+    raise
+  finally:
+    sys.excepthook, threading.excepthook, sys.unraisablehook = hooks
+    for hook, report, error in held:
+      if not (failed and _of_the_failed_read(error)):
+        if hook == 0:
+          hooks[0](*report)
+        else:
+          hooks[hook](report)
+
+
+def _of_the_failed_read(error: BaseException | None) -> bool:
+  """Whether `error` is a failed restore's own: raised in Orbax's code, or its closed loop."""
+  if isinstance(error, RuntimeError) and str(error) == 'Event loop is closed':
+    return True
+  trace = getattr(error, '__traceback__', None)
+  while trace is not None:
+    if f'{os.sep}orbax{os.sep}' in trace.tb_frame.f_code.co_filename:
+      return True
+    trace = trace.tb_next
+  return False
 
 
 def checkpoint_path(path: str) -> str:
@@ -312,8 +366,9 @@ class Checkpoints:
           f'config ({"; ".join(differences)}). Use the config it was written with (model, '
           'optimizer, EMA, dataset), or a new --workdir.', directory=self.directory, step=step)
     start = time.time()
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), progress=ocp.args.JsonRestore()))
+    with _restore_reports():
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target), progress=ocp.args.JsonRestore()))
     nnx.update(state, restored['state'])
     logging.info('Restored checkpoint at step %d from %s in %.2fs.', step, self.directory,
                  time.time() - start)
