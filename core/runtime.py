@@ -75,10 +75,10 @@ def _not_reported_by_the_app(record: python_logging.LogRecord) -> bool:
   if _ORBAX in record.pathname:
     return not (record.exc_info or 'Reached preemption sync point' in record.getMessage())
   return not (record.name == 'asyncio' and record.exc_info
-              and _raised_in_orbax(record.exc_info[2]))
+              and raised_in_orbax(record.exc_info[2]))
 
 
-def _raised_in_orbax(trace) -> bool:
+def raised_in_orbax(trace) -> bool:
   """Whether a traceback passes through Orbax's code."""
   while trace is not None:
     if _ORBAX in trace.tb_frame.f_code.co_filename:

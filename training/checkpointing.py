@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from core import errors
+from core import runtime
 from training import workdirs
 
 CHECKPOINT_DIR = 'checkpoints'
@@ -142,12 +143,7 @@ def _of_the_failed_read(error: BaseException | None) -> bool:
   """Whether `error` is a failed restore's own: raised in Orbax's code, or its closed loop."""
   if isinstance(error, RuntimeError) and str(error) == 'Event loop is closed':
     return True
-  trace = getattr(error, '__traceback__', None)
-  while trace is not None:
-    if f'{os.sep}orbax{os.sep}' in trace.tb_frame.f_code.co_filename:
-      return True
-    trace = trace.tb_next
-  return False
+  return runtime.raised_in_orbax(getattr(error, '__traceback__', None))
 
 
 def checkpoint_path(path: str) -> str:
