@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 
 class Conv(nnx.Conv):
-  """`nnx.Conv` whose 2-D convolutions run as im2col matmuls in training.
+  """`nnx.Conv` whose 2-D convolutions run as im2col matmuls in training, and whose depthwise
+  ones run as shifted multiply-adds.
 
   Under differentiation the forward pass is patches(x) @ kernel, and the backward pass two
   matmuls (patches^T @ dy for the kernel, dy @ kernel^T for the patches) and the transpose of
@@ -34,12 +35,17 @@ class Conv(nnx.Conv):
   input's size: large images, wide layers, large batches) is not built: that layer runs as the
   stock layer does.
 
+  Depthwise convolutions (as many feature groups as input channels, one filter each: the
+  output has as many channels) run as `conv_depthwise`, shifted multiply-adds, in training and
+  in eval alike: XLA:CPU's own depthwise convolutions, and their gradients most of all, are
+  several times slower (EfficientNet's 3x3 and 5x5, ConvNeXt's 7x7: docs/backbone_speed.md).
+
   Takes every `nnx.Conv` argument. The 2-D convolutions it computes its way are those with any
-  strides and padding (flax's 'SAME', 'VALID' or explicit), no dilation, one feature group and
-  no `precision` or preferred type; any other convolution (dilation, feature groups, 1-D or 3-D
-  kernels, a `precision`) runs as the stock layer runs it, so a model may use any convolution.
-  `dtype` works as in the stock layer, which casts the input and kernel to it before the
-  convolution.
+  strides and padding (flax's 'SAME', 'VALID' or explicit), no dilation, one feature group or
+  depthwise ones, and no `precision` or preferred type; any other convolution (dilation, other
+  feature groups or depth multipliers, 1-D or 3-D kernels, a `precision`) runs as the stock
+  layer runs it, so a model may use any convolution. `dtype` works as in the stock layer, which
+  casts the input and kernel to it before the convolution.
   """
 
   def __init__(self, *args, **kwargs):
@@ -82,14 +88,19 @@ def _output_size(size: int, kernel: int, stride: int, pad: tuple[int, int]) -> i
 
 def _conv_general_dilated(lhs, rhs, window_strides, padding, **options):
   """`conv_patches` behind `nnx.Conv`'s `conv_general_dilated` hook where it computes the same
-  convolution with patches of at most `PATCHES_LIMIT_BYTES`; `lax.conv_general_dilated` with
-  the same arguments everywhere else."""
+  convolution with patches of at most `PATCHES_LIMIT_BYTES`, `conv_depthwise` where the
+  convolution is depthwise; `lax.conv_general_dilated` with the same arguments everywhere
+  else."""
   if lhs.ndim == 4 and _is_plain_2d(options):
     strides = tuple(int(s) for s in window_strides)
     pads = _pads(lhs.shape, rhs.shape, strides, padding)
-    if (min(min(pair) for pair in pads) >= 0
-        and patches_bytes(lhs.shape, rhs.shape, lhs.dtype, strides, pads) <= PATCHES_LIMIT_BYTES):
-      return conv_patches(lhs, rhs, strides, pads)
+    groups = options.get('feature_group_count', 1)
+    if min(min(pair) for pair in pads) >= 0:
+      if (groups == 1 and patches_bytes(lhs.shape, rhs.shape, lhs.dtype, strides, pads)
+          <= PATCHES_LIMIT_BYTES):
+        return conv_patches(lhs, rhs, strides, pads)
+      if groups == lhs.shape[3] == rhs.shape[3] and rhs.shape[2] == 1:  # One filter a channel.
+        return conv_depthwise(lhs, rhs, strides, pads)
   return lax.conv_general_dilated(lhs, rhs, window_strides, padding, **options)
 
 
@@ -99,8 +110,7 @@ def _is_plain_2d(options: dict) -> bool:
                   for name in ('lhs_dilation', 'rhs_dilation'))
   defaults = all(options.get(name) is None
                  for name in ('precision', 'preferred_element_type', 'out_sharding'))
-  return (undilated and defaults and options.get('dimension_numbers') == _NHWC
-          and options.get('feature_group_count', 1) == 1)
+  return undilated and defaults and options.get('dimension_numbers') == _NHWC
 
 
 def _patches(x: jax.Array, kernel_shape: tuple[int, ...], strides: tuple[int, int],
@@ -146,6 +156,71 @@ def _conv_patches_bwd(strides, pads, residuals, dy):
 
 
 conv_patches.defvjp(_conv_patches_fwd, _conv_patches_bwd)
+
+
+def _taps(x: jax.Array, kernel_shape: tuple[int, ...], strides: tuple[int, int],
+          pads: Pads) -> list[jax.Array]:
+  """The input under each of the kernel's kh * kw taps at every output pixel: strided slices
+  of the padded input, each (N, H_out, W_out, C), in float32 at least (a convolution's
+  accumulator)."""
+  (kh, kw), (sh, sw) = kernel_shape[:2], strides
+  n, h, w, c = x.shape
+  ho, wo = _output_size(h, kh, sh, pads[0]), _output_size(w, kw, sw, pads[1])
+  padded = jnp.pad(x, ((0, 0), *pads, (0, 0))).astype(jnp.promote_types(x.dtype, jnp.float32))
+  return [lax.slice(padded, (0, i, j, 0), (n, i + sh * (ho - 1) + 1, j + sw * (wo - 1) + 1, c),
+                    (1, sh, sw, 1)) for i in range(kh) for j in range(kw)]
+
+
+def _shifted_sum(x: jax.Array, kernel: jax.Array, strides: tuple[int, int],
+                 pads: Pads) -> jax.Array:
+  """A depthwise convolution as the sum of its taps times their per-channel weights: XLA fuses
+  the pad, slices, products and sum into one elementwise loop over the output."""
+  taps = _taps(x, kernel.shape, strides, pads)
+  weights = kernel.reshape(-1, kernel.shape[-1]).astype(taps[0].dtype)
+  return sum(tap * weight for tap, weight in zip(taps, weights)).astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def conv_depthwise(x: jax.Array, kernel: jax.Array, strides: tuple[int, int],
+                   pads: Pads) -> jax.Array:
+  """A depthwise NHWC x HW1C convolution (one filter a channel: feature groups = channels) as
+  shifted multiply-adds, in the forward pass and in both gradients.
+
+  XLA:CPU's depthwise convolutions, and their gradients most of all, run far below its
+  elementwise speed (jax-ml/jax#23713): EfficientNet's 3x3 and 5x5, ConvNeXt's 7x7.
+  """
+  return _shifted_sum(x, kernel, strides, pads)
+
+
+def _conv_depthwise_fwd(x, kernel, strides, pads):
+  return _shifted_sum(x, kernel, strides, pads), (x, kernel)  # Keeps the input, as XLA's.
+
+
+def _conv_depthwise_bwd(strides, pads, residuals, dy):
+  # Autodiff of `_shifted_sum` would be as fast for the input and 3-5x slower for the kernel,
+  # and would hold every tap's slice (kh * kw times the input) in memory at once.
+  x, kernel = residuals
+  (kh, kw), (sh, sw) = kernel.shape[:2], strides
+  (h, w), (ho, wo) = x.shape[1:3], dy.shape[1:3]
+  # The input's gradient: the depthwise convolution of `dy`, spread out by the strides (zeros
+  # between its pixels) and padded so that each pixel meets the inputs its window covered
+  # (negative pads crop), with the flipped kernel: shifted multiply-adds again.
+  spread = lax.pad(dy, jnp.zeros((), dy.dtype), (
+      (0, 0, 0), (kh - 1 - pads[0][0], h - 1 + pads[0][0] - (ho - 1) * sh, sh - 1),
+      (kw - 1 - pads[1][0], w - 1 + pads[1][0] - (wo - 1) * sw, sw - 1), (0, 0, 0)))
+  dx = _shifted_sum(spread, kernel[::-1, ::-1], (1, 1), ((0, 0), (0, 0)))
+  # The kernel's gradient: per tap, the sum over pixels of its slice times `dy`. One variadic
+  # reduce, all taps at once: XLA runs it as one pass over the input and `dy`, with the slices
+  # fused in (a reduce per tap would write each slice out first).
+  taps = _taps(x, kernel.shape, strides, pads)
+  dy = dy.astype(taps[0].dtype)
+  zero = jnp.zeros((), dy.dtype)
+  dkernel = lax.reduce([tap * dy for tap in taps], [zero] * len(taps),
+                       lambda a, b: [u + v for u, v in zip(a, b)], (0, 1, 2))
+  return dx, jnp.stack(dkernel).reshape(kernel.shape).astype(kernel.dtype)
+
+
+conv_depthwise.defvjp(_conv_depthwise_fwd, _conv_depthwise_bwd)
 
 
 def _mix(x: jax.Array) -> jax.Array:

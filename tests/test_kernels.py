@@ -10,6 +10,7 @@ import pytest
 from core import errors
 import kernels
 from kernels import cpu
+from tests.helpers.build import create_backbone
 
 
 def test_select_layers_by_backend_and_switch():
@@ -62,6 +63,81 @@ def test_conv_computes_every_other_convolution_as_the_stock_layer(option):
   for grad, stock_grad in zip(jax.tree.leaves(nnx.grad(loss, argnums=(0, 1))(fast, x)),
                               jax.tree.leaves(nnx.grad(loss, argnums=(0, 1))(stock, x))):
     np.testing.assert_allclose(grad, stock_grad, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize('kernel_size,strides,padding', [
+    ((3, 3), 1, 'SAME'), ((3, 3), 2, ((1, 1), (1, 1))), ((5, 5), 2, 'SAME'), ((7, 7), 1, ((3, 3), (3, 3))),  # EfficientNet's, ConvNeXt's.
+    ((5, 3), (3, 2), ((4, 0), (0, 3))), ((2, 2), (2, 1), 'VALID'),
+])
+def test_depthwise_conv_and_its_gradients_equal_nnx_conv(kernel_size, strides, padding):
+  channels = 2 * kernel_size[0] - 1  # 3 to 13 channels, one filter each; odd image sizes.
+  arguments = dict(kernel_size=kernel_size, strides=strides, padding=padding,
+                   feature_group_count=channels, use_bias=kernel_size[0] == 3)
+  stock = nnx.Conv(channels, channels, **arguments, rngs=nnx.Rngs(0))
+  fast = cpu.Conv(channels, channels, **arguments, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (3, 11, 9, channels))
+  # Shifted multiply-adds compute it, forward and backward (not XLA's convolution).
+  assert 'convolution' not in jax.jit(jax.grad(lambda x: fast(x).sum())).lower(x).as_text()
+  for value, stock_value in zip(_value_and_grads(fast, x), _value_and_grads(stock, x)):
+    np.testing.assert_allclose(value, stock_value, rtol=1e-5, atol=1e-5)
+
+
+@nnx.jit  # One program: op by op, each of a 7x7 kernel's 49 taps would compile on its own.
+def _value_and_grads(conv: nnx.Conv, x: jax.Array) -> list[jax.Array]:
+  """`conv(x)` and the gradients of a random projection of it: the bias, kernel and input."""
+  loss = lambda conv, x: (conv(x) * jax.random.normal(jax.random.key(2), conv(x).shape)).sum()
+  return [conv(x), *jax.tree.leaves(nnx.grad(loss, argnums=(0, 1))(conv, x))]
+
+
+def test_depthwise_conv_in_bfloat16_accumulates_as_the_stock_layer():
+  arguments = dict(kernel_size=(5, 5), strides=2, feature_group_count=8, dtype=jnp.bfloat16)
+  stock = nnx.Conv(8, 8, **arguments, rngs=nnx.Rngs(0))
+  fast = cpu.Conv(8, 8, **arguments, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (2, 16, 16, 8))
+  assert fast(x).dtype == jnp.bfloat16
+  # Within bfloat16's rounding: both sum the 25 taps in float32, and round once.
+  for value, stock_value in zip(_value_and_grads(fast, x), _value_and_grads(stock, x)):
+    np.testing.assert_allclose(value.astype(jnp.float32), stock_value.astype(jnp.float32),
+                               rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize('features,option', [
+    (8, {}),  # Two filters a channel (a depth multiplier of 2).
+    (4, {'kernel_dilation': 2}), (4, {'input_dilation': 2, 'padding': ((1, 1), (1, 1))}),
+])
+def test_other_depthwise_convolutions_run_as_the_stock_layer(features, option):
+  arguments = {'kernel_size': (3, 3), 'feature_group_count': 4, **option}
+  stock = nnx.Conv(4, features, rngs=nnx.Rngs(0), **arguments)
+  fast = cpu.Conv(4, features, rngs=nnx.Rngs(0), **arguments)
+  x = jax.random.normal(jax.random.key(0), (2, 9, 8, 4))
+  assert 'convolution' in jax.jit(lambda x: fast(x)).lower(x).as_text()
+  for value, stock_value in zip(_value_and_grads(fast, x), _value_and_grads(stock, x)):
+    np.testing.assert_allclose(value, stock_value, rtol=1e-5, atol=1e-5)
+
+
+# Compiling a backbone's forward and backward passes with each layer set: a minute or more.
+@pytest.mark.slow
+@pytest.mark.parametrize('name', ['efficientnet_b0', 'convnext_tiny'])
+def test_depthwise_backbones_equal_with_the_stock_layers(name):
+  """EfficientNet's 3x3 and 5x5 (strided ones too) and ConvNeXt's 7x7 depthwise convolutions:
+  the same logits and training gradients with the XLA:CPU layers. At 64 px (at 32 px the last
+  stage is 1x1 and its BatchNorms amplify rounding: tests/test_backbones.py)."""
+  images = np.random.default_rng(0).normal(size=(2, 64, 64, 3)).astype(np.float32)
+
+  @nnx.jit
+  def logits_and_grads(model):
+    grads = nnx.grad(lambda model: (model(images) ** 2).mean())(model)
+    model.eval()
+    return model(images), grads
+
+  fast, stock = (logits_and_grads(create_backbone(name, (64, 64, 3), layers=layers))
+                 for layers in (kernels.CPU_LAYERS, kernels.STOCK_LAYERS))
+  for value, stock_value in zip(jax.tree.leaves(fast), jax.tree.leaves(stock)):
+    # Within 1e-4 of each array's largest magnitude (summation orders differ), and 1e-6 for
+    # gradients that are zero but for rounding (EfficientNet's BatchNorm before a 1x1
+    # convolution and another BatchNorm, which cancels its bias).
+    scale = float(np.abs(stock_value).max())
+    np.testing.assert_allclose(value, stock_value, rtol=0, atol=1e-4 * scale + 1e-6)
 
 
 @pytest.mark.parametrize('rate', [0.025, 0.5])
