@@ -93,14 +93,12 @@ LAYERS = models.LayerGroups(stem=r'^(conv_stem|bn1)\.', blocks=r'^blocks\.(\d+)\
                                 head=r'classifier\.')
 
 
-@models.MODELS.register(
-    'efficientnet_b0', key_map=KEY_MAP, layers=LAYERS,
-    # timm's default weights: trained with RandAugment (ra_in1k).
-    pretrained=common.pretrained_cfg('timm/efficientnet_b0.ra_in1k', crop_pct=0.875,
-                                     interpolation='bicubic', mean=common.IMAGENET_MEAN,
-                                     std=common.IMAGENET_STD))
-class EfficientNetB0(nnx.Module):
-  """EfficientNet-B0 (5.3M parameters with 1,000 classes)."""
+class EfficientNet(nnx.Module):
+  """A stem of `stem_features`, stages of `MBConv` blocks as `stages` lists them, a 1x1 head
+  convolution to `head_features`, average pooling and the classifier. Subclasses set all three."""
+  stages: tuple[tuple[int, int, int, int, int], ...]  # As `_B0_STAGES`.
+  stem_features: int
+  head_features: int
 
   def __init__(self, image_shape: tuple[int, int, int], num_classes: int, *,
                layers: kernels.Layers, rngs: nnx.Rngs, drop_path_rate: float = 0.0,
@@ -110,11 +108,12 @@ class EfficientNetB0(nnx.Module):
     memory."""
     common.check_rate('drop_path_rate', drop_path_rate)
     common.check_rate('dropout_rate', dropout_rate)
-    num_blocks = sum(stage[0] for stage in _B0_STAGES)
-    self.conv_stem = common.conv(layers, image_shape[-1], 32, 3, stride=2, rngs=rngs)
-    self.bn1 = common.batch_norm(layers, 32, rngs=rngs)
-    stages, in_features, index = [], 32, 0
-    for depth, kernel_size, stride, expand_ratio, out_features in _B0_STAGES:
+    num_blocks = sum(stage[0] for stage in self.stages)
+    self.conv_stem = common.conv(layers, image_shape[-1], self.stem_features, 3, stride=2,
+                                 rngs=rngs)
+    self.bn1 = common.batch_norm(layers, self.stem_features, rngs=rngs)
+    stages, in_features, index = [], self.stem_features, 0
+    for depth, kernel_size, stride, expand_ratio, out_features in self.stages:
       blocks = []
       for block in range(depth):
         # timm's schedule here: rate * index / number of blocks (the last one stays below it).
@@ -124,10 +123,10 @@ class EfficientNetB0(nnx.Module):
         in_features, index = out_features, index + 1
       stages.append(nnx.List(blocks))
     self.blocks = nnx.List(stages)
-    self.conv_head = common.conv(layers, in_features, 1280, 1, rngs=rngs)
-    self.bn2 = common.batch_norm(layers, 1280, rngs=rngs)
+    self.conv_head = common.conv(layers, in_features, self.head_features, 1, rngs=rngs)
+    self.bn2 = common.batch_norm(layers, self.head_features, rngs=rngs)
     self.dropout = layers.dropout(rate=dropout_rate, rngs=rngs)
-    self.classifier = layers.linear(1280, num_classes, rngs=rngs)
+    self.classifier = layers.linear(self.head_features, num_classes, rngs=rngs)
     self.remat = remat
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -136,3 +135,14 @@ class EfficientNetB0(nnx.Module):
       x = common.run_blocks(stage, x, self.remat)
     x = nnx.silu(self.bn2(self.conv_head(x)))
     return common.head(x.mean(axis=(1, 2)), self.dropout, self.classifier)
+
+
+@models.MODELS.register(
+    'efficientnet_b0', key_map=KEY_MAP, layers=LAYERS,
+    # timm's default weights: trained with RandAugment (ra_in1k).
+    pretrained=common.pretrained_cfg('timm/efficientnet_b0.ra_in1k', crop_pct=0.875,
+                                     interpolation='bicubic', mean=common.IMAGENET_MEAN,
+                                     std=common.IMAGENET_STD))
+class EfficientNetB0(EfficientNet):
+  """EfficientNet-B0 (5.3M parameters with 1,000 classes)."""
+  stages, stem_features, head_features = _B0_STAGES, 32, 1280

@@ -82,21 +82,22 @@ class Bottleneck(_ResidualBlock):
 
 
 class ResNet(nnx.Module):
-  """A 7x7 stride-2 stem and 3x3 stride-2 max pool, four stages of `depths` blocks of widths
-  64-512 (each stage after the first halving the resolution), global average pooling, dropout
-  and the classifier `fc`. Subclasses set `block` and `depths`."""
+  """A 7x7 stride-2 stem and 3x3 stride-2 max pool, four stages of `depths` blocks of `widths`
+  (each stage after the first halving the resolution), global average pooling, dropout and the
+  classifier `fc`. Subclasses set `block` and `depths`."""
   block: type[_ResidualBlock]
   depths: tuple[int, int, int, int]
+  widths: tuple[int, int, int, int] = (64, 128, 256, 512)  # The stem's is the first stage's.
 
   def __init__(self, image_shape: tuple[int, int, int], num_classes: int, *,
                layers: kernels.Layers, rngs: nnx.Rngs, drop_path_rate: float = 0.0,
                dropout_rate: float = 0.0, remat: bool = False):
     """Options: see `common.drop_path_rates`."""
     rates = iter(common.drop_path_rates(drop_path_rate, sum(self.depths), dropout_rate))
-    self.conv1 = common.conv(layers, image_shape[-1], 64, 7, stride=2, rngs=rngs)
-    self.bn1 = common.batch_norm(layers, 64, rngs=rngs)
-    stages, in_features = [], 64
-    for stage, (width, depth) in enumerate(zip((64, 128, 256, 512), self.depths)):
+    self.conv1 = common.conv(layers, image_shape[-1], self.widths[0], 7, stride=2, rngs=rngs)
+    self.bn1 = common.batch_norm(layers, self.widths[0], rngs=rngs)
+    stages, in_features = [], self.widths[0]
+    for stage, (width, depth) in enumerate(zip(self.widths, self.depths)):
       blocks = []
       for index in range(depth):
         stride = 2 if stage > 0 and index == 0 else 1

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from configs import default
 from tests.helpers import build
+from tests.helpers import small_backbones
 from tests.helpers.optional import requires_extras
 from core import errors
 from data_sources import base
@@ -45,12 +46,6 @@ TEMPERATURE = 2.0
 EXTRAS = {'saved_model': (), 'onnx': ('jax2onnx', 'onnxruntime'), 'tflite': ('ai_edge_litert',),
           'stablehlo': ()}
 BUILT_IN = tuple(EXTRAS)  # The formats of modes/export/ (a test registers one more).
-# The backbones exported by the slow tier: the smallest of each family (a family is one class
-# at other depths and widths, which flattening its weights into named TF variables does not see).
-# A family missing here is exported whole, in the fast tier.
-EXPORTED_BACKBONES = ('convnext_tiny', 'efficientnet_b0', 'resnet18', 'vit_tiny_patch16_224')
-
-
 def _family(name: str) -> type:
   """The class that model `name` is a size of (its own class for a model registered alone)."""
   cls = models.MODELS.entry(name).factory
@@ -269,17 +264,16 @@ def test_a_cropping_preprocess_exports_the_model_size_image_with_its_preparation
 
 
 def _exported_models() -> list[str]:
-  """Every registered model but the other sizes of the backbone families exported (and former
-  names)."""
-  backbone_families = {_family(name) for name in EXPORTED_BACKBONES}
+  """Every registered model but the backbones' (exported as the small member of their family,
+  tests/helpers/small_backbones.py) and former names."""
+  small_families = {_family(name) for name in small_backbones.FAMILIES}
   return [name for name in models.MODELS.names()
-          if _family(name) not in backbone_families
-          and not models.MODELS.capability(name, 'replaced_by')] + list(EXPORTED_BACKBONES)
+          if name in small_backbones.FAMILIES or (
+              _family(name) not in small_families
+              and not models.MODELS.capability(name, 'replaced_by'))]
 
 
-@pytest.mark.parametrize('name', [
-    pytest.param(name, marks=pytest.mark.slow) if models.MODELS.capability(name, 'pretrained')
-    else name for name in _exported_models()])
+@pytest.mark.parametrize('name', _exported_models())
 def test_every_model_family_exports_to_every_format_with_its_logits(name, tmp_path):
   """Each format, run by its runtime, computes the JAX model's logits (the SavedModel on images
   of another size, made model-size by its resize inside). A model holding an nnx.List of

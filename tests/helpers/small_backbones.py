@@ -1,0 +1,40 @@
+"""The smallest member of each backbone family, registered for the tests of what a family's
+layers do rather than what its size costs (export: every layer kind through every format).
+
+A family is one class at other depths and widths (`ResNet.depths`/`widths`, ...): these run its
+code with one block per stage and a few features, so a test compiles and converts in seconds
+instead of minutes. Importing this module registers them.
+"""
+
+from backbones import convnext
+from backbones import efficientnet
+from backbones import resnet
+from backbones import vit
+import models
+
+
+@models.MODELS.register('small_resnet_for_test')
+class SmallResNet(resnet.ResNet):
+  block, depths, widths = resnet.BasicBlock, (1, 1, 1, 1), (8, 16, 24, 32)
+
+
+@models.MODELS.register('small_convnext_for_test')
+class SmallConvNeXt(convnext.ConvNeXt):
+  depths, widths = (1, 1, 1, 1), (8, 16, 24, 32)
+
+
+@models.MODELS.register('small_efficientnet_for_test')
+class SmallEfficientNet(efficientnet.EfficientNet):
+  # Both block kinds (no expansion; expansion with a 3x3 and a 5x5 depthwise convolution), one
+  # with its skip connection.
+  stages = ((1, 3, 1, 1, 8), (2, 3, 2, 6, 16), (1, 5, 2, 6, 24))
+  stem_features, head_features = 8, 32
+
+
+@models.MODELS.register('small_vit_for_test')
+class SmallViT(vit.VisionTransformer):
+  features, depth, num_heads = 24, 2, 2
+
+
+FAMILIES = ('small_convnext_for_test', 'small_efficientnet_for_test', 'small_resnet_for_test',
+            'small_vit_for_test')
