@@ -33,12 +33,14 @@ def load_model(run: run_spec.Run, workdir: str, info: base.DatasetInfo,
   A `CheckpointError` if there is neither."""
   checkpoints = checkpointing.Checkpoints(workdir, run.best.name, run.best.maximize,
                                           reader=True)
-  # The structure only: the schedule's values are never used.
+  imported = run.init_from and not checkpoints.all_steps()
+  # The schedule's values are never used; a checkpoint's state needs the structure only
+  # (initialising it would compile a program as large as the model's).
   state = state_lib.create(run.model, info, run.optimization,
                            run.optimization.learning_rate_schedule(steps_per_epoch=1),
-                           seed=run.seed, ema_decay=run.ema_decay)
+                           seed=run.seed, ema_decay=run.ema_decay, abstract=not imported)
   with contextlib.closing(checkpoints):
-    if run.init_from and not checkpoints.all_steps():
+    if imported:
       logging.info('No checkpoint in %s: the model of config.init_from=%r.',
                    checkpoints.directory, run.init_from)
       init_from.load(run, state)

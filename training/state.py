@@ -109,9 +109,10 @@ def update_ema(ema: nnx.EMA, model: nnx.Module, step: jax.Array) -> None:
 
 def create(model: models.ModelSpec, info: base.DatasetInfo,
            optimization: optimizers.Optimization, schedule: optax.Schedule, *, seed: int,
-           ema_decay: float = 0.0) -> TrainState:
+           ema_decay: float = 0.0, abstract: bool = False) -> TrainState:
   """The initial training state of `model` for the data of `info`, updated by `optimization`
-  along `schedule`, built as one XLA program.
+  along `schedule`, built as one XLA program; with `abstract`, its structure only (shapes and
+  dtypes, nothing computed), for a checkpoint to be restored into.
 
   Run eagerly, XLA compiles every initialiser op on its own at its full optimisation level; as
   one program, which runs once, at the lowest level, it compiles and runs several times faster.
@@ -122,12 +123,26 @@ def create(model: models.ModelSpec, info: base.DatasetInfo,
     return TrainState(built, nnx.Optimizer(built, transform, wrt=nnx.Param),
                       create_ema(ema_decay, built))
 
-  state = nnx.jit(create_state).lower().compile({'xla_backend_optimization_level': 0})()
+  if abstract:
+    state = _placed_like_created(nnx.eval_shape(create_state))
+  else:
+    state = nnx.jit(create_state).lower().compile({'xla_backend_optimization_level': 0})()
   for path, module in nnx.iter_modules(state.model):
     # A frozen BatchNorm normalises with its statistics as loaded, in training too.
     if isinstance(module, nnx.BatchNorm) and optimization.frozen('.'.join(map(str, path))):
       module.use_running_average = True
   return state
+
+
+def _placed_like_created(state: TrainState) -> TrainState:
+  """An abstract state whose arrays would be placed as `create` places them: replicated over
+  the mesh in force (`jax.set_mesh`), else on the default device."""
+  mesh = jax.sharding.get_mesh()
+  sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh.empty
+              else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  graphdef, shapes = nnx.split(state)
+  return nnx.merge(graphdef, jax.tree.map(
+      lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), shapes))
 
 
 @contextlib.contextmanager
