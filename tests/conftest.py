@@ -10,6 +10,8 @@ from core import runtime  # pylint: disable=g-bad-import-order  (first: it must 
 
 # In-process training in the tests runs as it does in main.py.
 runtime.start()
+# A child process that crashes (a segfault in a native library) says where, in its stderr.
+os.environ.setdefault('PYTHONFAULTHANDLER', '1')
 
 from tests.helpers.optional import SHARED_MNIST  # pylint: disable=g-import-not-at-top
 

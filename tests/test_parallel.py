@@ -25,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # and how many compilations the later train dispatches needed.
 _FOUR_DEVICE_SCRIPT = r'''
 import json, sys
+from core import runtime  # First, as in main.py: a later triton import segfaults (its docstring).
 import jax, numpy as np
 from flax import nnx
 import input_pipeline
