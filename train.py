@@ -242,7 +242,7 @@ def _resume(session: Session, loop: hooks.Loop, run_hooks: hooks.Hooks) -> None:
     init_from.load(run, loop.state)
   if restored is None:
     logging.info('No checkpoint in %s: training from scratch.', checkpoints.directory)
-    summaries.write_config(session.writer, session.workdir, run.settings, run.hparam_metrics())
+    loggers.write_config(session.writer, session.workdir, run.settings, run.hparam_metrics())
     return
   loop.step, progress = restored
   if progress['steps_per_epoch'] != loop.steps_per_epoch:

@@ -54,7 +54,7 @@ def test_write_config_hparams_and_text(tmp_path):
   config = default.get_config()  # data_dir is an unset placeholder (None): not an hparam.
   writer = metric_writers.create_default_writer(str(tmp_path))
   settings = run_spec.resolve(config).settings
-  summaries.write_config(writer, str(tmp_path), settings, ['eval/accuracy', 'eval/loss'])
+  loggers.write_config(writer, str(tmp_path), settings, ['eval/accuracy', 'eval/loss'])
   writer.flush()
   accumulator = event_accumulator.EventAccumulator(str(tmp_path))
   accumulator.Reload()
