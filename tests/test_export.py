@@ -313,7 +313,7 @@ def test_a_backbone_fine_tuned_from_imported_weights_exports_to_every_format(tmp
   weights = str(tmp_path / 'resnet18.safetensors')
   safetensors.torch.save_file(timm.create_model('resnet18', num_classes=10).state_dict(), weights)
   config = finetune.get_config()
-  config.update(dict(dataset=root, init_from=weights, num_epochs=2, batch_size=8,
+  config.update(dict(dataset=root, init_from=weights, num_epochs=1, batch_size=8,
                      eval_batch_size=8, evaluators='accuracy', temperature_scaling=True,
                      preprocess="random_resized_crop(32, interpolation='bicubic')|flip_lr|"
                      "normalize('imagenet')"))
