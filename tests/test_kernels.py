@@ -66,7 +66,9 @@ def test_conv_computes_every_other_convolution_as_the_stock_layer(option):
 
 
 @pytest.mark.parametrize('kernel_size,strides,padding', [
-    ((3, 3), 1, 'SAME'), ((3, 3), 2, ((1, 1), (1, 1))), ((5, 5), 2, 'SAME'), ((7, 7), 1, ((3, 3), (3, 3))),  # EfficientNet's, ConvNeXt's.
+    # EfficientNet's (stride 2 with flax's 'SAME' padding too), ConvNeXt's.
+    ((3, 3), 1, 'SAME'), ((3, 3), 2, ((1, 1), (1, 1))), ((5, 5), 2, 'SAME'),
+    ((7, 7), 1, ((3, 3), (3, 3))),
     ((5, 3), (3, 2), ((4, 0), (0, 3))), ((2, 2), (2, 1), 'VALID'),
 ])
 def test_depthwise_conv_and_its_gradients_equal_nnx_conv(kernel_size, strides, padding):
