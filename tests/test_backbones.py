@@ -13,74 +13,20 @@ import pytest
 
 from backbones import common
 from backbones import weights
+from tests.helpers import timm_models as timm_helpers
 from tests.helpers.build import create_backbone
 from tests.helpers.optional import requires_extras
 from core import errors
 import kernels
 import models
 
-NUM_CLASSES = 7
+NUM_CLASSES = timm_helpers.NUM_CLASSES
 RESNETS = ('resnet18', 'resnet34', 'resnet50')
 VITS = ('vit_tiny_patch16_224', 'vit_small_patch16_224', 'vit_base_patch16_224')
 BACKBONES = (*RESNETS, *VITS, 'convnext_tiny', 'efficientnet_b0')
 # Comparing these with timm's at 224 px takes over ~20 s on 2 CPU cores (mostly compilation).
 SLOW = ('resnet50', 'vit_small_patch16_224', 'vit_base_patch16_224', 'convnext_tiny',
         'efficientnet_b0')
-
-
-def _randomise(torch_model) -> None:
-  """Random values where timm's initialisation would hide mistakes: BatchNorm statistics and
-  affine parameters (otherwise the identity), ConvNeXt's layer scale (otherwise 1e-6) and the
-  ViT's class token and position embedding (otherwise close to zero)."""
-  import torch  # pylint: disable=g-import-not-at-top
-  generator = torch.Generator().manual_seed(1)
-  with torch.no_grad():
-    for module in torch_model.modules():
-      if isinstance(module, torch.nn.BatchNorm2d):  # timm's BatchNormAct2d too.
-        size = module.num_features
-        module.running_mean.copy_(0.1 * torch.randn(size, generator=generator))
-        module.running_var.copy_(0.5 + torch.rand(size, generator=generator))
-        module.weight.copy_(0.5 + torch.rand(size, generator=generator))
-        module.bias.copy_(0.1 * torch.randn(size, generator=generator))
-    for name, parameter in torch_model.named_parameters():
-      if name.endswith('gamma') or name in ('cls_token', 'pos_embed'):
-        parameter.copy_(0.5 + torch.rand(parameter.shape, generator=generator))
-  torch_model.eval()
-
-
-def _timm_model(name: str, **kwargs):
-  """timm's `name` with seeded random weights (see `_randomise`), in eval mode."""
-  requires_extras('timm', 'torch', 'safetensors')
-  import timm  # pylint: disable=g-import-not-at-top
-  import torch  # pylint: disable=g-import-not-at-top
-  torch.manual_seed(0)
-  model = timm.create_model(name, pretrained=False, num_classes=NUM_CLASSES, **kwargs)
-  _randomise(model)
-  return model
-
-
-def _save_safetensors(torch_model, path) -> str:
-  import safetensors.torch  # pylint: disable=g-import-not-at-top
-  safetensors.torch.save_file(torch_model.state_dict(), str(path))
-  return str(path)
-
-
-def _images(height: int, width: int) -> np.ndarray:
-  return np.random.default_rng(0).normal(size=(2, height, width, 3)).astype(np.float32)
-
-
-def _assert_same_logits(torch_model, model: nnx.Module, images: np.ndarray) -> float:
-  """Both models' float32 logits on `images` (NHWC) agree within 1e-4 of the largest logit
-  (at least 1e-4); returns the largest difference."""
-  import torch  # pylint: disable=g-import-not-at-top
-  with torch.no_grad():
-    expected = torch_model(torch.from_numpy(images).permute(0, 3, 1, 2)).numpy()
-  model.eval()
-  logits = nnx.jit(lambda model, images: model(images))(model, images)
-  assert logits.dtype == np.float32
-  difference = float(np.abs(np.asarray(logits) - expected).max())
-  assert difference <= 1e-4 * max(1.0, float(np.abs(expected).max()))
-  return difference
 
 
 def _count(model: nnx.Module) -> int:
@@ -102,14 +48,14 @@ def _num_arrays(model: nnx.Module) -> int:
     pytest.param('efficientnet_b0', kernels.CPU_LAYERS, id='efficientnet_b0-cpu_layers',
                  marks=pytest.mark.slow)])
 def test_same_logits_and_parameters_as_timm(name, layers, tmp_path):
-  torch_model = _timm_model(name)
-  path = _save_safetensors(torch_model, tmp_path / f'{name}.safetensors')
+  torch_model = timm_helpers.timm_model(name)
+  path = timm_helpers.save_safetensors(torch_model, tmp_path / f'{name}.safetensors')
   model = create_backbone(name, layers=layers)
   loaded, fresh = weights.load_pretrained(model, name, path)
   assert not fresh
   assert len(loaded) == _num_arrays(model)
   assert _count(model) == sum(parameter.numel() for parameter in torch_model.parameters())
-  _assert_same_logits(torch_model, model, _images(224, 224))
+  timm_helpers.assert_same_logits(torch_model, model, timm_helpers.images(224, 224))
 
 
 @pytest.mark.parametrize('image_size', [(160, 160), (160, 224)])
@@ -118,14 +64,14 @@ def test_vit_at_another_size_resamples_the_position_embedding(image_size, tmp_pa
   requires_extras('timm', 'torch', 'safetensors')
   from timm.models import vision_transformer  # pylint: disable=g-import-not-at-top
   name = 'vit_tiny_patch16_224'
-  checkpoint_model = _timm_model(name)
-  path = _save_safetensors(checkpoint_model, tmp_path / 'vit.safetensors')
-  torch_model = _timm_model(name, img_size=image_size)
+  checkpoint_model = timm_helpers.timm_model(name)
+  path = timm_helpers.save_safetensors(checkpoint_model, tmp_path / 'vit.safetensors')
+  torch_model = timm_helpers.timm_model(name, img_size=image_size)
   torch_model.load_state_dict(
       vision_transformer.checkpoint_filter_fn(checkpoint_model.state_dict(), torch_model))
   model = create_backbone(name, image_shape=(*image_size, 3))
   assert weights.load_pretrained(model, name, path)[1] == []
-  _assert_same_logits(torch_model, model, _images(*image_size))
+  timm_helpers.assert_same_logits(torch_model, model, timm_helpers.images(*image_size))
 
 
 @pytest.mark.parametrize('grid', [(10, 10), (20, 12), (5, 9)])
@@ -148,13 +94,13 @@ def test_torchvision_resnet_state_dict(name, tmp_path):
   import torchvision  # pylint: disable=g-import-not-at-top
   torch.manual_seed(0)
   torch_model = getattr(torchvision.models, name)(num_classes=NUM_CLASSES)
-  _randomise(torch_model)
-  assert torch_model.state_dict().keys() == _timm_model(name).state_dict().keys()
+  timm_helpers.randomise(torch_model)
+  assert torch_model.state_dict().keys() == timm_helpers.timm_model(name).state_dict().keys()
   path = str(tmp_path / f'{name}.pth')
   torch.save(torch_model.state_dict(), path)
   model = create_backbone(name)
   assert weights.load_pretrained(model, name, path)[1] == []
-  _assert_same_logits(torch_model, model, _images(224, 224))
+  timm_helpers.assert_same_logits(torch_model, model, timm_helpers.images(224, 224))
 
 
 @pytest.mark.parametrize('name', BACKBONES)
@@ -169,7 +115,7 @@ def test_pretrained_cfg_is_timms_default(name):
 @pytest.fixture(name='resnet18_file', scope='module')
 def fixture_resnet18_file(tmp_path_factory) -> str:
   """A .safetensors file of timm's resnet18 with 7 classes and random weights."""
-  return _save_safetensors(_timm_model('resnet18'),
+  return timm_helpers.save_safetensors(timm_helpers.timm_model('resnet18'),
                            tmp_path_factory.mktemp('weights') / 'resnet18.safetensors')
 
 
@@ -195,12 +141,12 @@ def test_checkpoint_dict_with_a_state_dict(small_resnet18, tmp_path):
   'module.' prefix."""
   requires_extras('timm', 'torch')
   import torch  # pylint: disable=g-import-not-at-top
-  torch_model = _timm_model('resnet18')
+  torch_model = timm_helpers.timm_model('resnet18')
   path = str(tmp_path / 'checkpoint.pth')
   torch.save({'epoch': 3, 'state_dict': {f'module.{key}': value for key, value
                                          in torch_model.state_dict().items()}}, path)
   assert weights.load_pretrained(small_resnet18, 'resnet18', path)[1] == []
-  _assert_same_logits(torch_model, small_resnet18, _images(32, 32))
+  timm_helpers.assert_same_logits(torch_model, small_resnet18, timm_helpers.images(32, 32))
 
 
 def _assert_refused(model: nnx.Module, model_name: str, path: str) -> None:
@@ -222,7 +168,7 @@ def test_wrong_architecture_is_refused(resnet18_file):
 
 def test_deeper_architecture_is_refused(small_resnet18, tmp_path):
   """resnet34's weights hold resnet18's names and shapes, and more blocks."""
-  path = _save_safetensors(_timm_model('resnet34'), tmp_path / 'resnet34.safetensors')
+  path = timm_helpers.save_safetensors(timm_helpers.timm_model('resnet34'), tmp_path / 'resnet34.safetensors')
   _assert_refused(small_resnet18, 'resnet18', path)
 
 
@@ -385,7 +331,7 @@ def test_drop_paths_grow_linearly_and_follow_eval(name):
 @pytest.mark.slow
 @pytest.mark.parametrize('name', ['resnet18', 'vit_tiny_patch16_224'])
 def test_remat_keeps_the_gradients(name):
-  images = _images(32, 32)
+  images = timm_helpers.images(32, 32)
   model = create_backbone(name, image_shape=(32, 32, 3))
   _perturb(model)
   if name == 'vit_tiny_patch16_224':
@@ -404,7 +350,7 @@ def test_cpu_layers_train_as_the_stock_layers():
   stock one. At 64 px: at 32 px the last stage is 1x1, so its BatchNorms normalise 2 numbers a
   channel and amplify rounding chaotically (there even the batch's order moved a gradient by
   0.7%); at 64 px the two layer sets' gradients agreed to 1.3e-6."""
-  images = _images(64, 64)
+  images = timm_helpers.images(64, 64)
   stock = _loss_and_grads(create_backbone('resnet18', (64, 64, 3)), images)
   cpu = _loss_and_grads(create_backbone('resnet18', (64, 64, 3), layers=kernels.CPU_LAYERS), images)
   _assert_trees_close(cpu, stock, 1e-4)

@@ -1,0 +1,64 @@
+"""timm's models with seeded random weights, and the check that a model of this app computes
+the same logits (tests/test_backbones.py and the tests of other backbone families)."""
+
+from flax import nnx
+import numpy as np
+
+from tests.helpers.optional import requires_extras
+
+NUM_CLASSES = 7
+
+
+def randomise(torch_model) -> None:
+  """Random values where timm's initialisation would hide mistakes: BatchNorm statistics and
+  affine parameters (otherwise the identity), ConvNeXt's layer scale (otherwise 1e-6) and the
+  ViT's class token and position embedding (otherwise close to zero)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  generator = torch.Generator().manual_seed(1)
+  with torch.no_grad():
+    for module in torch_model.modules():
+      if isinstance(module, torch.nn.BatchNorm2d):  # timm's BatchNormAct2d too.
+        size = module.num_features
+        module.running_mean.copy_(0.1 * torch.randn(size, generator=generator))
+        module.running_var.copy_(0.5 + torch.rand(size, generator=generator))
+        module.weight.copy_(0.5 + torch.rand(size, generator=generator))
+        module.bias.copy_(0.1 * torch.randn(size, generator=generator))
+    for name, parameter in torch_model.named_parameters():
+      if name.endswith('gamma') or name in ('cls_token', 'pos_embed'):
+        parameter.copy_(0.5 + torch.rand(parameter.shape, generator=generator))
+  torch_model.eval()
+
+
+def timm_model(name: str, **kwargs):
+  """timm's `name` with seeded random weights (see `_randomise`), in eval mode."""
+  requires_extras('timm', 'torch', 'safetensors')
+  import timm  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  model = timm.create_model(name, pretrained=False, num_classes=NUM_CLASSES, **kwargs)
+  randomise(model)
+  return model
+
+
+def save_safetensors(torch_model, path) -> str:
+  import safetensors.torch  # pylint: disable=g-import-not-at-top
+  safetensors.torch.save_file(torch_model.state_dict(), str(path))
+  return str(path)
+
+
+def images(height: int, width: int) -> np.ndarray:
+  return np.random.default_rng(0).normal(size=(2, height, width, 3)).astype(np.float32)
+
+
+def assert_same_logits(torch_model, model: nnx.Module, images: np.ndarray) -> float:
+  """Both models' float32 logits on `images` (NHWC) agree within 1e-4 of the largest logit
+  (at least 1e-4); returns the largest difference."""
+  import torch  # pylint: disable=g-import-not-at-top
+  with torch.no_grad():
+    expected = torch_model(torch.from_numpy(images).permute(0, 3, 1, 2)).numpy()
+  model.eval()
+  logits = nnx.jit(lambda model, images: model(images))(model, images)
+  assert logits.dtype == np.float32
+  difference = float(np.abs(np.asarray(logits) - expected).max())
+  assert difference <= 1e-4 * max(1.0, float(np.abs(expected).max()))
+  return difference
