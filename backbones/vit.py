@@ -1,6 +1,8 @@
 """Vision Transformers (Dosovitskiy et al. 2021) in timm's layout: a patch-embedding
 convolution, a class token, a learned position embedding, pre-norm blocks with a fused qkv
-projection, a final LayerNorm and the classifier on the class token."""
+projection, a final LayerNorm and the classifier on the class token. DINOv2's (Oquab et al.
+2023) are the same with 14x14 patches and layer scale, those with registers (Darcet et al. 2024)
+with 4 more learned tokens."""
 
 from flax import nnx
 import jax
@@ -14,10 +16,12 @@ import models
 # timm's keys -> this module's paths (its attribute names are timm's).
 KEY_MAP = (
     (r'cls_token', 'cls_token', 'copy'),
+    (r'reg_token', 'reg_token', 'copy'),
     (r'pos_embed', 'pos_embed', 'pos_embed'),
     *weights.conv_rules(r'patch_embed\.proj', 'patch_embed'),
     *weights.norm_rules(r'(blocks\.\d+\.norm\d|norm)', r'\1'),
     *weights.linear_rules(r'(blocks\.\d+\.(?:attn\.qkv|attn\.proj|mlp\.fc\d))', r'\1'),
+    (r'(blocks\.\d+\.ls\d\.gamma)', r'\1', 'copy'),
     *weights.linear_rules(r'head', 'head'),
 )
 
@@ -45,32 +49,54 @@ class Attention(nnx.Module):
     return self.proj(x.reshape(batch, tokens, features))
 
 
+class LayerScale(nnx.Module):
+  """timm's LayerScale (Touvron et al. 2021): a learned scale per feature of a residual branch,
+  starting at `init_values` so that each block starts close to the identity."""
+
+  def __init__(self, features: int, init_values: float):
+    self.gamma = nnx.Param(jnp.full((features,), init_values))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return x * self.gamma[...].astype(x.dtype)
+
+
 class Block(nnx.Module):
   """A pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x)), each residual
-  branch under stochastic depth."""
+  branch under stochastic depth, and scaled by a `LayerScale` (`ls1`, `ls2`) if `init_values`
+  is set (timm's Identity otherwise)."""
 
-  def __init__(self, features: int, num_heads: int, drop_path_rate: float, *,
-               layers: kernels.Layers, rngs: nnx.Rngs):
+  def __init__(self, features: int, num_heads: int, drop_path_rate: float,
+               init_values: float | None, *, layers: kernels.Layers, rngs: nnx.Rngs):
     self.norm1 = common.layer_norm(features, rngs=rngs)
     self.attn = Attention(features, num_heads, layers=layers, rngs=rngs)
+    self.ls1 = LayerScale(features, init_values) if init_values else None
     self.norm2 = common.layer_norm(features, rngs=rngs)
     self.mlp = common.Mlp(features, 4 * features, layers=layers, rngs=rngs)
+    self.ls2 = LayerScale(features, init_values) if init_values else None
     self.drop_path = common.DropPath(drop_path_rate, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    x = x + self.drop_path(self.attn(self.norm1(x)))
-    return x + self.drop_path(self.mlp(self.norm2(x)))
+    branch = self.attn(self.norm1(x))
+    x = x + self.drop_path(self.ls1(branch) if self.ls1 else branch)
+    branch = self.mlp(self.norm2(x))
+    return x + self.drop_path(self.ls2(branch) if self.ls2 else branch)
 
 
 class VisionTransformer(nnx.Module):
-  """ViT with 16x16 patches, `depth` blocks of `features` features and `num_heads` heads.
+  """ViT with `patch_size` square patches, `depth` blocks of `features` features and
+  `num_heads` heads, layer scale from `init_values` (none if None) and `reg_tokens` register
+  tokens after the class token (the attributes are timm's arguments).
 
   The position embedding has one row per patch of `image_shape` (whose height and width are
-  cut into whole patches, a remainder dropped as torch's convolution does) plus one for the
-  class token; weights for another grid are resampled on import (`weights.resample_pos_embed`).
-  Subclasses set `features`, `depth` and `num_heads`.
+  cut into whole patches, a remainder dropped as torch's convolution does), after one per class
+  and register token unless `no_embed_class` (then they are concatenated after it is added);
+  weights for another grid are resampled on import (`weights.resample_pos_embed`). Subclasses
+  set `features`, `depth` and `num_heads`.
   """
   patch_size = 16
+  init_values: float | None = None
+  reg_tokens = 0
+  no_embed_class = False
   features: int
   depth: int
   num_heads: int
@@ -89,12 +115,18 @@ class VisionTransformer(nnx.Module):
                                    stride=self.patch_size, padding=0, use_bias=True,
                                    kernel_init=common.TRUNC_NORMAL, rngs=rngs)
     self.cls_token = nnx.Param(1e-6 * jax.random.normal(rngs.params(), (1, 1, self.features)))
+    if self.reg_tokens:
+      self.reg_token = nnx.Param(
+          1e-6 * jax.random.normal(rngs.params(), (1, self.reg_tokens, self.features)))
+    embedded_prefix = 0 if self.no_embed_class else 1 + self.reg_tokens
     # `grid_size` tells the weight import which grid to resample a checkpoint's rows to.
     self.pos_embed = nnx.Param(
-        common.TRUNC_NORMAL(rngs.params(), (1, 1 + grid_size[0] * grid_size[1], self.features)),
+        common.TRUNC_NORMAL(rngs.params(),
+                            (1, embedded_prefix + grid_size[0] * grid_size[1], self.features)),
         grid_size=grid_size)
     self.blocks = nnx.List([
-        Block(self.features, self.num_heads, rate, layers=layers, rngs=rngs) for rate in rates])
+        Block(self.features, self.num_heads, rate, self.init_values, layers=layers, rngs=rngs)
+        for rate in rates])
     self.norm = common.layer_norm(self.features, rngs=rngs)
     self.dropout = layers.dropout(rate=dropout_rate, rngs=rngs)
     self.head = layers.linear(self.features, num_classes, kernel_init=common.TRUNC_NORMAL,
@@ -104,9 +136,14 @@ class VisionTransformer(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     x = self.patch_embed(x)
     x = x.reshape(x.shape[0], -1, x.shape[-1])  # Row-major patches, as torch's flatten(2).
-    cls_token = jnp.broadcast_to(self.cls_token[...], (x.shape[0], 1, x.shape[-1]))
-    x = jnp.concatenate([cls_token.astype(x.dtype), x], axis=1)
-    x = x + self.pos_embed[...].astype(x.dtype)
+    prefix = [self.cls_token] + ([self.reg_token] if self.reg_tokens else [])
+    prefix = [jnp.broadcast_to(token[...], (x.shape[0], *token.shape[1:])).astype(x.dtype)
+              for token in prefix]
+    pos_embed = self.pos_embed[...].astype(x.dtype)
+    if self.no_embed_class:
+      x = jnp.concatenate([*prefix, x + pos_embed], axis=1)
+    else:
+      x = jnp.concatenate([*prefix, x], axis=1) + pos_embed
     x = self.norm(common.run_blocks(self.blocks, x, self.remat))
     # The class token, sliced: see `Attention` for why not `x[:, 0]`.
     return common.head(jax.lax.index_in_dim(x, 0, axis=1, keepdims=False), self.dropout,
@@ -120,7 +157,7 @@ _AUGREG = dict(crop_pct=0.9, interpolation='bicubic', mean=common.INCEPTION_MEAN
 
 
 # Layers for layer-wise decay and linear probing, as timm's VisionTransformer.group_matcher.
-LAYERS = models.LayerGroups(stem=r'^(cls_token|pos_embed|patch_embed)',
+LAYERS = models.LayerGroups(stem=r'^(cls_token|reg_token|pos_embed|patch_embed)',
                                 blocks=r'^blocks\.(\d+)\.', head=r'head\.')
 
 
@@ -148,3 +185,54 @@ class ViTSmall(VisionTransformer):
 class ViTBase(VisionTransformer):
   """ViT-B/16: 768 features, 12 blocks, 12 heads (86.6M parameters with 1,000 classes)."""
   features, depth, num_heads = 768, 12, 12
+
+
+class Dinov2(VisionTransformer):
+  """DINOv2's ViTs (Oquab et al. 2023), self-supervised on LVD-142M at 518x518: 14x14 patches
+  and layer scale. Those with registers (Darcet et al. 2024) add 4 learned tokens after the class
+  token, and their position embedding covers the patches alone (timm's `no_embed_class`, as the
+  original's once the class token's row is folded into the token).
+
+  timm's weights have no classifier (its `num_classes=0`): the head is new, for the dataset's
+  classes. Fine-tuning below 518 px (224 is usual) resamples the position embedding.
+  """
+  patch_size, init_values = 14, 1e-5
+
+
+# timm's default weights of each: DINOv2's, at 518x518 without a crop, ImageNet's statistics.
+def _dinov2_cfg(name: str) -> dict:
+  return common.pretrained_cfg(f'timm/{name}.lvd142m', crop_pct=1.0, interpolation='bicubic',
+                               mean=common.IMAGENET_MEAN, std=common.IMAGENET_STD,
+                               input_size=(3, 518, 518))
+
+
+@models.MODELS.register('vit_small_patch14_dinov2', key_map=KEY_MAP, layers=LAYERS,
+                        pretrained=_dinov2_cfg('vit_small_patch14_dinov2'))
+class ViTSmallDinov2(Dinov2):
+  """ViT-S/14 of DINOv2: 384 features, 12 blocks, 6 heads (22.1M parameters at 518 px,
+  without a head)."""
+  features, depth, num_heads = 384, 12, 6
+
+
+@models.MODELS.register('vit_base_patch14_dinov2', key_map=KEY_MAP, layers=LAYERS,
+                        pretrained=_dinov2_cfg('vit_base_patch14_dinov2'))
+class ViTBaseDinov2(Dinov2):
+  """ViT-B/14 of DINOv2: 768 features, 12 blocks, 12 heads (86.6M parameters at
+  518 px, without a head)."""
+  features, depth, num_heads = 768, 12, 12
+
+
+@models.MODELS.register('vit_small_patch14_reg4_dinov2', key_map=KEY_MAP, layers=LAYERS,
+                        pretrained=_dinov2_cfg('vit_small_patch14_reg4_dinov2'))
+class ViTSmallReg4Dinov2(Dinov2):
+  """ViT-S/14 of DINOv2 with 4 registers: 384 features, 12 blocks, 6 heads."""
+  features, depth, num_heads = 384, 12, 6
+  reg_tokens, no_embed_class = 4, True
+
+
+@models.MODELS.register('vit_base_patch14_reg4_dinov2', key_map=KEY_MAP, layers=LAYERS,
+                        pretrained=_dinov2_cfg('vit_base_patch14_reg4_dinov2'))
+class ViTBaseReg4Dinov2(Dinov2):
+  """ViT-B/14 of DINOv2 with 4 registers: 768 features, 12 blocks, 12 heads."""
+  features, depth, num_heads = 768, 12, 12
+  reg_tokens, no_embed_class = 4, True

@@ -36,5 +36,12 @@ class SmallViT(vit.VisionTransformer):
   features, depth, num_heads = 24, 2, 2
 
 
-FAMILIES = ('small_convnext_for_test', 'small_efficientnet_for_test', 'small_resnet_for_test',
-            'small_vit_for_test')
+@models.MODELS.register('small_dinov2_for_test')
+class SmallDinov2(vit.Dinov2):
+  # With registers: layer scale, register tokens and the embedding of the patches alone.
+  features, depth, num_heads = 24, 2, 2
+  reg_tokens, no_embed_class = 4, True
+
+
+FAMILIES = ('small_convnext_for_test', 'small_dinov2_for_test', 'small_efficientnet_for_test',
+            'small_resnet_for_test', 'small_vit_for_test')

@@ -1,0 +1,89 @@
+"""The ViT families after the original (backbones/vit.py): DINOv2's, with and without registers,
+compute timm's logits from timm's weights, at their size and resampled to another."""
+
+from flax import nnx
+import jax
+import numpy as np
+import pytest
+
+from backbones import weights
+from tests.helpers import timm_models as timm_helpers
+from tests.helpers.build import create_backbone
+from tests.helpers.optional import requires_extras
+import kernels
+import models
+
+DINOV2 = ('vit_small_patch14_dinov2', 'vit_small_patch14_reg4_dinov2',
+          'vit_base_patch14_dinov2', 'vit_base_patch14_reg4_dinov2')
+# Logits at 56 px (4x4 patches of 14) keep the CPU's work small; the ViT-Bs take longer.
+SIZE = 56
+SLOW = ('vit_base_patch14_dinov2', 'vit_base_patch14_reg4_dinov2')
+
+
+@pytest.mark.parametrize('name', [
+    pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else []) for name in DINOV2])
+def test_same_logits_and_parameters_as_timm(name, tmp_path):
+  torch_model = timm_helpers.timm_model(name, img_size=SIZE)
+  path = timm_helpers.save_safetensors(torch_model, tmp_path / f'{name}.safetensors')
+  model = create_backbone(name, image_shape=(SIZE, SIZE, 3))
+  loaded, fresh = weights.load_pretrained(model, name, path)
+  assert not fresh
+  assert len(loaded) == len(torch_model.state_dict())
+  assert sum(np.size(leaf) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))) == sum(
+      parameter.numel() for parameter in torch_model.parameters())
+  timm_helpers.assert_same_logits(torch_model, model, timm_helpers.images(SIZE, SIZE))
+
+
+@pytest.mark.parametrize('name,image_size', [('vit_small_patch14_dinov2', (SIZE, SIZE)),
+                                             ('vit_small_patch14_reg4_dinov2', (42, 70))])
+def test_518_px_weights_at_another_size_as_timm_resamples_them(name, image_size, tmp_path):
+  """timm's weights are for 518 px (37x37 patches); fine-tuning at another size takes its
+  position embedding resampled as timm resamples it for a model of that size (the class
+  token's row kept, or no such row with registers)."""
+  requires_extras('timm', 'torch', 'safetensors')
+  from timm.models import vision_transformer  # pylint: disable=g-import-not-at-top
+  checkpoint_model = timm_helpers.timm_model(name)
+  path = timm_helpers.save_safetensors(checkpoint_model, tmp_path / f'{name}.safetensors')
+  torch_model = timm_helpers.timm_model(name, img_size=image_size)
+  torch_model.load_state_dict(
+      vision_transformer.checkpoint_filter_fn(checkpoint_model.state_dict(), torch_model))
+  model = create_backbone(name, image_shape=(*image_size, 3))
+  assert weights.load_pretrained(model, name, path)[1] == []
+  timm_helpers.assert_same_logits(torch_model, model, timm_helpers.images(*image_size))
+
+
+@pytest.mark.parametrize('grid', [(4, 4), (16, 16), (3, 5)])
+def test_resample_pos_embed_without_prefix_rows_matches_timm(grid):
+  """DINOv2 with registers: the position embedding of 37x37 patches alone."""
+  requires_extras('timm', 'torch')
+  import torch  # pylint: disable=g-import-not-at-top
+  from timm import layers  # pylint: disable=g-import-not-at-top
+  pos_embed = np.random.default_rng(0).normal(size=(1, 37 * 37, 8)).astype(np.float32)
+  expected = layers.resample_abs_pos_embed(torch.from_numpy(pos_embed), list(grid),
+                                           num_prefix_tokens=0).numpy()
+  target = nnx.Param(np.zeros((1, grid[0] * grid[1], 8), np.float32), grid_size=grid)
+  np.testing.assert_allclose(weights.resample_pos_embed(pos_embed, target), expected,
+                             atol=1e-5)
+
+
+@pytest.mark.parametrize('name', DINOV2)
+def test_pretrained_cfg_is_timms_default(name):
+  requires_extras('timm')
+  import timm  # pylint: disable=g-import-not-at-top
+  declared = models.MODELS.capability(name, 'pretrained')
+  timm_cfg = timm.models.get_pretrained_cfg(name).to_dict()
+  assert declared == {key: timm_cfg[key] for key in declared}
+
+
+def test_register_tokens_and_layer_scale_are_in_timms_layer_groups():
+  """As timm's group_matcher: the register tokens with the stem (layer 0), each block's layer
+  scale with its block."""
+  name = 'vit_small_patch14_reg4_dinov2'
+  factory = models.MODELS.entry(name).factory
+  model = nnx.eval_shape(lambda: factory((SIZE, SIZE, 3), 7, layers=kernels.STOCK_LAYERS,
+                                         rngs=nnx.Rngs(0)))
+  numbers, _ = models.layer_numbers([name for name, _ in weights.model_variables(model)],
+                                    models.MODELS.capability(name, 'layers'))
+  assert numbers['reg_token'] == 0
+  assert numbers['blocks.0.ls1.gamma'] == numbers['blocks.0.attn.qkv.kernel'] == 1
+  assert numbers['blocks.11.ls2.gamma'] == 12
