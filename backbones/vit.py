@@ -136,9 +136,9 @@ class VisionTransformer(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     x = self.patch_embed(x)
     x = x.reshape(x.shape[0], -1, x.shape[-1])  # Row-major patches, as torch's flatten(2).
-    prefix = [self.cls_token] + ([self.reg_token] if self.reg_tokens else [])
+    # The class token, then the registers (timm's order), one copy per example.
     prefix = [jnp.broadcast_to(token[...], (x.shape[0], *token.shape[1:])).astype(x.dtype)
-              for token in prefix]
+              for token in [self.cls_token, *([self.reg_token] if self.reg_tokens else [])]]
     pos_embed = self.pos_embed[...].astype(x.dtype)
     if self.no_embed_class:
       x = jnp.concatenate([*prefix, x + pos_embed], axis=1)
