@@ -18,8 +18,8 @@ import models
 
 
 def hard_sigmoid(x: jax.Array) -> jax.Array:
-  """torch's `Hardsigmoid`, relu6(x + 3) / 6, written with a clip that every export format
-  converts."""
+  """torch's `Hardsigmoid`, relu6(x + 3) / 6, as one clip (which the ONNX and TFLite
+  converters take)."""
   return jnp.clip(x + 3.0, 0.0, 6.0) / 6.0
 
 

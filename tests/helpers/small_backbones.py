@@ -6,8 +6,11 @@ code with one block per stage and a few features, so a test compiles and convert
 instead of minutes. Importing this module registers them.
 """
 
+from flax import nnx
+
 from backbones import convnext
 from backbones import efficientnet
+from backbones import mobilenetv3
 from backbones import resnet
 from backbones import vit
 import models
@@ -31,6 +34,17 @@ class SmallEfficientNet(efficientnet.EfficientNet):
   stem_features, head_features = 8, 32
 
 
+@models.MODELS.register('small_mobilenetv3_for_test')
+class SmallMobileNetV3(mobilenetv3.MobileNetV3):
+  # Each layer kind: a block without expansion (ReLU, with its skip connection), expansion with
+  # a stride-2 5x5 depthwise convolution, and hard-swish with squeeze-and-excitation (and its
+  # skip connection).
+  stages = ((mobilenetv3.Blocks(1, 3, 1, 1, 8, False, nnx.relu),),
+            (mobilenetv3.Blocks(1, 5, 2, 3, 16, False, nnx.relu),
+             mobilenetv3.Blocks(1, 3, 1, 2.5, 16, True, mobilenetv3.hard_swish)))
+  stem_features, conv_features, head_features = 8, 24, 32
+
+
 @models.MODELS.register('small_vit_for_test')
 class SmallViT(vit.VisionTransformer):
   features, depth, num_heads = 24, 2, 2
@@ -44,4 +58,4 @@ class SmallDinov2(vit.Dinov2):
 
 
 FAMILIES = ('small_convnext_for_test', 'small_dinov2_for_test', 'small_efficientnet_for_test',
-            'small_resnet_for_test', 'small_vit_for_test')
+            'small_mobilenetv3_for_test', 'small_resnet_for_test', 'small_vit_for_test')
