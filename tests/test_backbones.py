@@ -61,17 +61,7 @@ def test_same_logits_and_parameters_as_timm(name, layers, tmp_path):
 @pytest.mark.parametrize('image_size', [(160, 160), (160, 224)])
 def test_vit_at_another_size_resamples_the_position_embedding(image_size, tmp_path):
   """A 224-px checkpoint into a ViT for another grid, as timm resamples it for its own."""
-  requires_extras('timm', 'torch', 'safetensors')
-  from timm.models import vision_transformer  # pylint: disable=g-import-not-at-top
-  name = 'vit_tiny_patch16_224'
-  checkpoint_model = timm_helpers.timm_model(name)
-  path = timm_helpers.save_safetensors(checkpoint_model, tmp_path / 'vit.safetensors')
-  torch_model = timm_helpers.timm_model(name, img_size=image_size)
-  torch_model.load_state_dict(
-      vision_transformer.checkpoint_filter_fn(checkpoint_model.state_dict(), torch_model))
-  model = create_backbone(name, image_shape=(*image_size, 3))
-  assert weights.load_pretrained(model, name, path)[1] == []
-  timm_helpers.assert_same_logits(torch_model, model, timm_helpers.images(*image_size))
+  timm_helpers.assert_resampled_as_timm('vit_tiny_patch16_224', image_size, tmp_path)
 
 
 @pytest.mark.parametrize('grid', [(10, 10), (20, 12), (5, 9)])

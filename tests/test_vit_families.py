@@ -40,16 +40,7 @@ def test_518_px_weights_at_another_size_as_timm_resamples_them(name, image_size,
   """timm's weights are for 518 px (37x37 patches); fine-tuning at another size takes its
   position embedding resampled as timm resamples it for a model of that size (the class
   token's row kept, or no such row with registers)."""
-  requires_extras('timm', 'torch', 'safetensors')
-  from timm.models import vision_transformer  # pylint: disable=g-import-not-at-top
-  checkpoint_model = timm_helpers.timm_model(name)
-  path = timm_helpers.save_safetensors(checkpoint_model, tmp_path / f'{name}.safetensors')
-  torch_model = timm_helpers.timm_model(name, img_size=image_size)
-  torch_model.load_state_dict(
-      vision_transformer.checkpoint_filter_fn(checkpoint_model.state_dict(), torch_model))
-  model = create_backbone(name, image_shape=(*image_size, 3))
-  assert weights.load_pretrained(model, name, path)[1] == []
-  timm_helpers.assert_same_logits(torch_model, model, timm_helpers.images(*image_size))
+  timm_helpers.assert_resampled_as_timm(name, image_size, tmp_path)
 
 
 @pytest.mark.parametrize('grid', [(4, 4), (16, 16), (3, 5)])

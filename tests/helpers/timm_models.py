@@ -4,6 +4,8 @@ the same logits (tests/test_backbones.py and the tests of other backbone familie
 from flax import nnx
 import numpy as np
 
+from backbones import weights
+from tests.helpers.build import create_backbone
 from tests.helpers.optional import requires_extras
 
 NUM_CLASSES = 7
@@ -63,3 +65,19 @@ def assert_same_logits(torch_model, model: nnx.Module, images: np.ndarray) -> fl
   difference = float(np.abs(np.asarray(logits) - expected).max())
   assert difference <= 1e-4 * max(1.0, float(np.abs(expected).max()))
   return difference
+
+
+def assert_resampled_as_timm(name: str, image_size: tuple[int, int], directory) -> None:
+  """timm's weights of ViT `name` at its own size, imported into our `name` at `image_size`,
+  give the logits of timm's model at that size with the weights resampled by timm's
+  `checkpoint_filter_fn`: our position embedding is resampled as timm resamples it."""
+  requires_extras('timm', 'torch', 'safetensors')
+  from timm.models import vision_transformer  # pylint: disable=g-import-not-at-top
+  checkpoint_model = timm_model(name)
+  path = save_safetensors(checkpoint_model, directory / f'{name}.safetensors')
+  torch_model = timm_model(name, img_size=image_size)
+  torch_model.load_state_dict(
+      vision_transformer.checkpoint_filter_fn(checkpoint_model.state_dict(), torch_model))
+  model = create_backbone(name, image_shape=(*image_size, 3))
+  assert weights.load_pretrained(model, name, path)[1] == []
+  assert_same_logits(torch_model, model, images(*image_size))
