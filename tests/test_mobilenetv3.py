@@ -21,12 +21,16 @@ NAME = 'mobilenetv3_large_100'
 SIZE = 64
 
 
-@pytest.mark.parametrize('layers', [kernels.STOCK_LAYERS, kernels.CPU_LAYERS],
-                         ids=['stock_layers', 'cpu_layers'])
-def test_same_logits_and_parameters_as_timm(layers, tmp_path):
+@pytest.mark.parametrize('layers,size', [
+    pytest.param(kernels.STOCK_LAYERS, SIZE, id='stock_layers'),
+    # The XLA:CPU layers' own depthwise convolutions (3x3 and 5x5, strided ones too).
+    pytest.param(kernels.CPU_LAYERS, SIZE, id='cpu_layers'),
+    # The size of timm's weights: a 7x7 last stage (at 64 px 2x2); ~20 s on 2 CPU cores.
+    pytest.param(kernels.STOCK_LAYERS, 224, id='stock_layers-224px', marks=pytest.mark.slow)])
+def test_same_logits_and_parameters_as_timm(layers, size, tmp_path):
   torch_model = timm_helpers.timm_model(NAME)
   path = timm_helpers.save_safetensors(torch_model, tmp_path / f'{NAME}.safetensors')
-  model = create_backbone(NAME, image_shape=(SIZE, SIZE, 3), layers=layers)
+  model = create_backbone(NAME, image_shape=(size, size, 3), layers=layers)
   loaded, fresh = weights.load_pretrained(model, NAME, path)
   assert not fresh
   # Every array but BatchNorm's step counters (num_batches_tracked) has a place here.
@@ -34,7 +38,7 @@ def test_same_logits_and_parameters_as_timm(layers, tmp_path):
                              if not key.endswith('num_batches_tracked')])
   assert sum(np.size(leaf) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))) == sum(
       parameter.numel() for parameter in torch_model.parameters())
-  timm_helpers.assert_same_logits(torch_model, model, timm_helpers.images(SIZE, SIZE))
+  timm_helpers.assert_same_logits(torch_model, model, timm_helpers.images(size, size))
 
 
 def test_pretrained_cfg_is_timms_default():
