@@ -18,24 +18,29 @@ _B0_STAGES = ((1, 3, 1, 1, 16), (2, 3, 2, 6, 24), (2, 5, 2, 6, 40), (3, 3, 2, 6,
 # Squeeze-and-excitation to a quarter of the block's input features.
 _SE_RATIO = 0.25
 
-# timm's keys -> this module's paths. timm's first stage has depthwise-separable blocks (no
-# expansion: conv_dw, bn1, se, conv_pw, bn2) and the others inverted residuals (conv_pw, bn1,
-# conv_dw, bn2, se, conv_pwl, bn3): both are `MBConv` here, with names that say each layer's role.
-_SEPARABLE = r'(blocks\.0\.\d+)'
-_INVERTED = r'(blocks\.[1-9]\d*\.\d+)'
-_BLOCK_LAYERS = (
-    (_SEPARABLE, 'conv_dw', 'bn1', 'conv_dw', 'bn_dw'),
-    (_SEPARABLE, 'conv_pw', 'bn2', 'conv_projection', 'bn_projection'),
-    (_INVERTED, 'conv_pw', 'bn1', 'conv_expansion', 'bn_expansion'),
-    (_INVERTED, 'conv_dw', 'bn2', 'conv_dw', 'bn_dw'),
-    (_INVERTED, 'conv_pwl', 'bn3', 'conv_projection', 'bn_projection'),
-)
+
+def block_rules(separable: str, inverted: str) -> tuple:
+  """Key-map rules of timm's two block kinds (`_efficientnet_blocks`, shared by its
+  EfficientNets and MobileNetV3s), for the block paths that `separable` and `inverted` match
+  (one group each): depthwise-separable blocks (no expansion: conv_dw, bn1, se, conv_pw, bn2)
+  and inverted residuals (conv_pw, bn1, conv_dw, bn2, se, conv_pwl, bn3). Both kinds are
+  `MBConv` here, with names that say each layer's role."""
+  layers = ((separable, 'conv_dw', 'bn1', 'conv_dw', 'bn_dw'),
+            (separable, 'conv_pw', 'bn2', 'conv_projection', 'bn_projection'),
+            (inverted, 'conv_pw', 'bn1', 'conv_expansion', 'bn_expansion'),
+            (inverted, 'conv_dw', 'bn2', 'conv_dw', 'bn_dw'),
+            (inverted, 'conv_pwl', 'bn3', 'conv_projection', 'bn_projection'))
+  return tuple(rule for block, conv, norm, conv_target, norm_target in layers
+               for rule in (*weights.conv_rules(rf'{block}\.{conv}', rf'\1.{conv_target}'),
+                            *weights.norm_rules(rf'{block}\.{norm}', rf'\1.{norm_target}')))
+
+
+# timm's keys -> this module's paths: the first stage has depthwise-separable blocks, the others
+# inverted residuals.
 KEY_MAP = (
     *weights.conv_rules(r'conv_stem', 'conv_stem'),
     *weights.norm_rules(r'bn1', 'bn1'),
-    *(rule for block, conv, norm, conv_target, norm_target in _BLOCK_LAYERS
-      for rule in (*weights.conv_rules(rf'{block}\.{conv}', rf'\1.{conv_target}'),
-                   *weights.norm_rules(rf'{block}\.{norm}', rf'\1.{norm_target}'))),
+    *block_rules(separable=r'(blocks\.0\.\d+)', inverted=r'(blocks\.[1-9]\d*\.\d+)'),
     *weights.conv_rules(r'(blocks\.\d+\.\d+\.se\.conv_(?:reduce|expand))', r'\1'),
     *weights.conv_rules(r'conv_head', 'conv_head'),
     *weights.norm_rules(r'bn2', 'bn2'),

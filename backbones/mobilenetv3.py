@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from backbones import common
+from backbones import efficientnet
 from backbones import weights
 import kernels
 import models
@@ -58,23 +59,12 @@ _SE_RATIO = 0.25
 # (conv_dw, bn1, conv_pw, bn2), the next five inverted residuals (conv_pw, bn1, conv_dw, bn2, se,
 # conv_pwl, bn3): both are `MBConv` here, with names that say each layer's role; the last stage
 # is one 1x1 convolution (conv, bn1), `ConvBnAct` here.
-_SEPARABLE = r'(blocks\.0\.\d+)'
-_INVERTED = r'(blocks\.[1-5]\.\d+)'
-_LAST = r'(blocks\.6\.0)'
-_BLOCK_LAYERS = (
-    (_SEPARABLE, 'conv_dw', 'bn1', 'conv_dw', 'bn_dw'),
-    (_SEPARABLE, 'conv_pw', 'bn2', 'conv_projection', 'bn_projection'),
-    (_INVERTED, 'conv_pw', 'bn1', 'conv_expansion', 'bn_expansion'),
-    (_INVERTED, 'conv_dw', 'bn2', 'conv_dw', 'bn_dw'),
-    (_INVERTED, 'conv_pwl', 'bn3', 'conv_projection', 'bn_projection'),
-    (_LAST, 'conv', 'bn1', 'conv', 'bn'),
-)
 KEY_MAP = (
     *weights.conv_rules(r'conv_stem', 'conv_stem'),
     *weights.norm_rules(r'bn1', 'bn1'),
-    *(rule for block, conv, norm, conv_target, norm_target in _BLOCK_LAYERS
-      for rule in (*weights.conv_rules(rf'{block}\.{conv}', rf'\1.{conv_target}'),
-                   *weights.norm_rules(rf'{block}\.{norm}', rf'\1.{norm_target}'))),
+    *efficientnet.block_rules(separable=r'(blocks\.0\.\d+)', inverted=r'(blocks\.[1-5]\.\d+)'),
+    *weights.conv_rules(r'(blocks\.6\.0)\.conv', r'\1.conv'),
+    *weights.norm_rules(r'(blocks\.6\.0)\.bn1', r'\1.bn'),
     *weights.conv_rules(r'(blocks\.\d+\.\d+\.se\.conv_(?:reduce|expand))', r'\1'),
     *weights.conv_rules(r'conv_head', 'conv_head'),
     *weights.linear_rules(r'classifier', 'classifier'),
