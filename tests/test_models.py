@@ -59,6 +59,7 @@ def test_resnet20_parameter_count_and_shapes():
 
 
 
+@pytest.mark.slow  # Compiles a ResNet's forward and backward passes twice.
 def test_resnet_cpu_layers_compute_the_stock_function(image_shape=(28, 28, 1)):
   """Narrow and shallow (for test time), but with every kind of block: plain, downsampling
   (a stride-2 convolution, which the CPU layer runs as the stock one does)."""
@@ -190,6 +191,7 @@ def test_unknown_model_and_option_are_config_errors_naming_the_key():
   assert (error.value.key, error.value.value) == ('model_options.cnn.width', 3)
 
 
+@pytest.mark.slow  # Trains the recipe.
 def test_cifar10_recipe_trains_on_generated_colour_images(tmp_path):
   """configs/cifar10.py (a narrower, shallower ResNet, for CPU time) on 32x32 colour shapes."""
   root = str(tmp_path / 'shapes')
