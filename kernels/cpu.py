@@ -113,17 +113,24 @@ def _is_plain_2d(options: dict) -> bool:
   return undilated and defaults and options.get('dimension_numbers') == _NHWC
 
 
-def _patches(x: jax.Array, kernel_shape: tuple[int, ...], strides: tuple[int, int],
-             pads: Pads) -> jax.Array:
-  """The kh x kw window under every output pixel, padded and strided as the convolution's:
-  (N, H_out, W_out, kh * kw * C), in the kernel's (kh, kw, C) order."""
+def _windows(x: jax.Array, kernel_shape: tuple[int, ...], strides: tuple[int, int],
+             pads: Pads) -> list[jax.Array]:
+  """The input under each of the kernel's kh * kw taps at every output pixel, padded and
+  strided as the convolution's: strided slices, each (N, H_out, W_out, C), in the kernel's
+  (kh, kw) order."""
   (kh, kw), (sh, sw) = kernel_shape[:2], strides
   n, h, w, c = x.shape
   ho, wo = _output_size(h, kh, sh, pads[0]), _output_size(w, kw, sw, pads[1])
   padded = jnp.pad(x, ((0, 0), *pads, (0, 0)))
-  return jnp.concatenate(
-      [lax.slice(padded, (0, i, j, 0), (n, i + sh * (ho - 1) + 1, j + sw * (wo - 1) + 1, c),
-                 (1, sh, sw, 1)) for i in range(kh) for j in range(kw)], axis=-1)
+  return [lax.slice(padded, (0, i, j, 0), (n, i + sh * (ho - 1) + 1, j + sw * (wo - 1) + 1, c),
+                    (1, sh, sw, 1)) for i in range(kh) for j in range(kw)]
+
+
+def _patches(x: jax.Array, kernel_shape: tuple[int, ...], strides: tuple[int, int],
+             pads: Pads) -> jax.Array:
+  """The kh x kw window under every output pixel: (N, H_out, W_out, kh * kw * C), in the
+  kernel's (kh, kw, C) order."""
+  return jnp.concatenate(_windows(x, kernel_shape, strides, pads), axis=-1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -160,15 +167,9 @@ conv_patches.defvjp(_conv_patches_fwd, _conv_patches_bwd)
 
 def _taps(x: jax.Array, kernel_shape: tuple[int, ...], strides: tuple[int, int],
           pads: Pads) -> list[jax.Array]:
-  """The input under each of the kernel's kh * kw taps at every output pixel: strided slices
-  of the padded input, each (N, H_out, W_out, C), in float32 at least (a convolution's
-  accumulator)."""
-  (kh, kw), (sh, sw) = kernel_shape[:2], strides
-  n, h, w, c = x.shape
-  ho, wo = _output_size(h, kh, sh, pads[0]), _output_size(w, kw, sw, pads[1])
-  padded = jnp.pad(x, ((0, 0), *pads, (0, 0))).astype(jnp.promote_types(x.dtype, jnp.float32))
-  return [lax.slice(padded, (0, i, j, 0), (n, i + sh * (ho - 1) + 1, j + sw * (wo - 1) + 1, c),
-                    (1, sh, sw, 1)) for i in range(kh) for j in range(kw)]
+  """`_windows` in float32 at least (a convolution's accumulator)."""
+  accumulator = jnp.promote_types(x.dtype, jnp.float32)
+  return [window.astype(accumulator) for window in _windows(x, kernel_shape, strides, pads)]
 
 
 def _shifted_sum(x: jax.Array, kernel: jax.Array, strides: tuple[int, int],
