@@ -19,15 +19,11 @@ the app keeps the best epoch-end checkpoint besides the newest `max_to_keep`, an
 others through the manager.
 """
 
-import contextlib
 import errno
-import gc
 import json
 import os
 import re
 import shutil
-import sys
-import threading
 import time
 
 from absl import logging
@@ -35,9 +31,9 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+import tensorstore as ts
 
 from core import errors
-from core import runtime
 from training import workdirs
 
 CHECKPOINT_DIR = 'checkpoints'
@@ -101,49 +97,32 @@ def _first_line(error: Exception) -> str:
 
 
 
-# A damaged checkpoint's restore fails on its first unreadable array, and Orbax abandons the
-# reads still in flight: TensorStore ends them into Orbax's closed event loop ('Event loop is
-# closed', printed through sys.excepthook by TensorStore's thread) and their coroutines are
-# reported as unraisable when collected: tracebacks after the one-line warning. Neither library
-# offers a way to wait for or cancel those reads, so a failed restore collects them at once
-# and gives the late ones a moment, while its own reports are held; see `_restore_reports`.
-_ABANDONED_READS_S = 1.0
+# A damaged checkpoint's restore fails inside Orbax on its first unreadable array, and Orbax
+# closes its event loop with the other reads still in flight: TensorStore ends them into the
+# closed loop ('Event loop is closed') and their coroutines, collected later, raise again
+# ('Exception ignored in'), tracebacks after the one-line warning that neither library offers a
+# way to wait for or cancel. So the app reads every stored value of the `state` item itself
+# first, through TensorStore's public key-value store API, and waits for every read: a
+# truncated or missing file fails here, with nothing left pending, and Orbax is asked to
+# restore only a checkpoint whose bytes all read.
+_READS_IN_FLIGHT = 64  # Bounds the bytes held at once to 64 chunks.
 
 
-@contextlib.contextmanager
-def _restore_reports():
-  """While the block runs, reports of uncaught, thread and unraisable exceptions are held, and
-  given back to the hooks in force when it ends, but, if the block fails, those of its own
-  failure (raised in Orbax or TensorStore, or 'Event loop is closed'): the restore's error says
-  it once, in one line. A report of anything else (another thread's failure) is never lost."""
-  held = []
-  hooks = (sys.excepthook, threading.excepthook, sys.unraisablehook)
-  sys.excepthook = lambda *report: held.append((0, report, report[1]))
-  threading.excepthook = lambda report: held.append((1, report, report.exc_value))
-  sys.unraisablehook = lambda report: held.append((2, report, report.exc_value))
-  failed = False
-  try:
-    yield
-  except Exception:
-    failed = True
-    gc.collect()  # The abandoned reads' coroutines, reported now.
-    time.sleep(_ABANDONED_READS_S)  # TensorStore's reads still in flight end meanwhile.
-    raise
-  finally:
-    sys.excepthook, threading.excepthook, sys.unraisablehook = hooks
-    for hook, report, error in held:
-      if not (failed and _of_the_failed_read(error)):
-        if hook == 0:
-          hooks[0](*report)
-        else:
-          hooks[hook](report)
-
-
-def _of_the_failed_read(error: BaseException | None) -> bool:
-  """Whether `error` is a failed restore's own: raised in Orbax's code, or its closed loop."""
-  if isinstance(error, RuntimeError) and str(error) == 'Event loop is closed':
-    return True
-  return runtime.raised_in_orbax(getattr(error, '__traceback__', None))
+def verify_readable(path: str) -> None:
+  """Raises the first error met reading the stored values of the `state` item at `path` (an
+  OCDBT key-value store, Orbax's default format), after every read has ended."""
+  store = ts.KvStore.open({'driver': 'ocdbt', 'base': f'file://{os.path.abspath(path)}'}).result()
+  keys = store.list().result()
+  for first in range(0, len(keys), _READS_IN_FLIGHT):
+    reads = [store.read(key) for key in keys[first:first + _READS_IN_FLIGHT]]
+    failures = []
+    for read in reads:  # Each awaited, even after a failure.
+      try:
+        read.result()
+      except Exception as error:  # pylint: disable=broad-except  (TensorStore raises many)
+        failures.append(error)
+    if failures:
+      raise failures[0]
 
 
 def checkpoint_path(path: str) -> str:
@@ -165,6 +144,12 @@ def checkpoint_path(path: str) -> str:
 def read_state(path: str) -> dict[str, object]:
   """{'model.conv1.kernel': array, ...} of the `state` item at `path`, on this host, whatever
   devices and processes wrote it."""
+  try:
+    verify_readable(path)
+  except Exception as error:  # pylint: disable=broad-except  (TensorStore raises many)
+    raise errors.CheckpointError(
+        f'The checkpoint {path} does not read ({_first_line(error)}): pass another one (e.g. '
+        'an earlier step).', directory=os.path.dirname(path)) from None
   checkpointer = ocp.StandardCheckpointer()
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   tree = checkpointer.restore(path, jax.tree.map(
@@ -362,9 +347,9 @@ class Checkpoints:
           f'config ({"; ".join(differences)}). Use the config it was written with (model, '
           'optimizer, EMA, dataset), or a new --workdir.', directory=self.directory, step=step)
     start = time.time()
-    with _restore_reports():
-      restored = self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(target), progress=ocp.args.JsonRestore()))
+    verify_readable(os.path.join(self.directory, str(step), 'state'))
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target), progress=ocp.args.JsonRestore()))
     nnx.update(state, restored['state'])
     logging.info('Restored checkpoint at step %d from %s in %.2fs.', step, self.directory,
                  time.time() - start)
