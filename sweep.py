@@ -39,11 +39,7 @@ from ml_collections import config_flags
 
 from core import cli
 from core import errors
-from sweeps import engine
 from sweeps import runs
-from sweeps import spec
-from training import run_spec
-from training import workdirs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Sweep directory: one subdirectory per trial, the study '
@@ -67,16 +63,27 @@ flags.DEFINE_integer('parallel', 1, 'Runs at the same time.', lower_bound=1)
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
+def search_flags_error() -> str | None:
+  """What is wrong with --search and --num_trials together, if anything. Checked before the
+  modules that import TensorFlow and JAX (seconds) are imported."""
+  if FLAGS.search == 'grid' and FLAGS.num_trials is not None:
+    return ('--num_trials is for --search=random or tpe; a grid runs every combination of its '
+            'values.')
+  if FLAGS.search != 'grid' and FLAGS.num_trials is None:
+    return f'--search={FLAGS.search} needs --num_trials=N (trials in all).'
+  return None
+
+
 def run_sweep(config_file: str, overrides: dict[str, str], launcher: runs.Launcher):
   """Checks the sweep, then runs its study in FLAGS.workdir; returns the study and its space."""
+  # pylint: disable=g-import-not-at-top  (after search_flags_error: these import TensorFlow)
+  from sweeps import engine
+  from sweeps import spec
+  from training import run_spec
+  from training import workdirs
+  # pylint: enable=g-import-not-at-top
   sweep = {**spec.sweep_from_config_file(config_file), **spec.parse_sweep_flags(FLAGS.sweep)}
   grid = FLAGS.search == 'grid'
-  if grid and FLAGS.num_trials is not None:
-    raise spec.SweepError('--num_trials is for --search=random or tpe; a grid runs every '
-                          'combination of its values.', FLAGS.num_trials)
-  if not grid and FLAGS.num_trials is None:
-    raise spec.SweepError(f'--search={FLAGS.search} needs --num_trials=N (trials in all).',
-                          FLAGS.search)
   space = spec.search_space(config_file, overrides, sweep, grid)
   best = run_spec.resolve(FLAGS.config).best
   settings = {'config': config_file, 'overrides': ' '.join(spec.args(overrides)),
@@ -94,6 +101,8 @@ def run_sweep(config_file: str, overrides: dict[str, str], launcher: runs.Launch
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  if error := search_flags_error():
+    sys.exit(f'Sweep error: {error}')
   config_file = config_flags.get_config_filename(FLAGS['config'])
   overrides = {key: str(value)
                for key, value in config_flags.get_override_values(FLAGS['config']).items()}
@@ -108,6 +117,7 @@ def main(argv):
   except errors.UserError as error:
     sys.exit(error.one_line())
 
+  from sweeps import engine  # pylint: disable=g-import-not-at-top  (imported by run_sweep)
   rows, columns = engine.results(study, space)
   if rows:
     print(runs.write_results(rows, columns, study.user_attrs['sweep']['metric'],
