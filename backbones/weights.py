@@ -3,7 +3,9 @@
 A state_dict comes from a `.safetensors` file, a `.pth`/`.pt`/`.bin` file (read with torch's
 `weights_only` unpickler, which runs no code) or the Hugging Face Hub by name
 (`hf-hub:timm/resnet50.a1_in1k` or `timm/resnet50.a1_in1k`, downloaded on first use and cached:
-`backbones/hub.py`). Each backbone family declares its key map as data, next to
+`backbones/hub.py`), or a URL or torchvision weights name
+(`torchvision:ResNet50_Weights.IMAGENET1K_V2`, downloaded into torch.hub's cache:
+`backbones/torch_hub.py`). Each backbone family declares its key map as data, next to
 its model: rules (regex on the torch key, this model's variable path, transform name), built
 with `conv_rules`, `norm_rules` and `linear_rules` below, and registered with the model
 (`@MODELS.register(name, key_map=...)`). The transforms are the layout changes between torch and
@@ -21,6 +23,7 @@ import jax
 import numpy as np
 
 from backbones import hub
+from backbones import torch_hub
 from core import errors
 
 # (regex matching a whole torch key, template of the model's variable path, or None for keys
@@ -86,7 +89,8 @@ def is_pretrained_path(path: str) -> bool:
   `.safetensors`, `.pth`, `.pt` or `.bin` file, or a Hub name: `hub.is_hub_name`), rather than a
   workdir or checkpoint of this app. Existence is `load_pretrained`'s to check, which says what
   is wrong."""
-  return hub.is_hub_name(path) or path.lower().endswith(hub.FILE_SUFFIXES)
+  return (hub.is_hub_name(path) or torch_hub.is_download_name(path)
+          or path.lower().endswith(hub.FILE_SUFFIXES))
 
 
 def load_pretrained(model: nnx.Module, model_name: str, path: str,
@@ -185,14 +189,22 @@ def read_state_dict(path: str) -> dict[str, np.ndarray]:
   """{torch key: float32 array} of the state_dict that `path` names (see `load_pretrained`)."""
   if hub.is_hub_name(path):
     file = hub.download(path)
+  elif torch_hub.is_download_name(path):
+    reader = _reader(torch_hub.url(path))
+    file = torch_hub.download(path, check=lambda downloaded: reader(downloaded, path))
   elif os.path.isfile(path):
     file = path
   else:
     raise errors.ConfigError(f'config.init_from={path!r}: no such file.',
                              key='init_from', value=path)
-  reader = _read_safetensors if file.lower().endswith('.safetensors') else _read_torch
-  return {key: array.astype(np.float32, copy=False) for key, array in reader(file, path).items()
+  return {key: array.astype(np.float32, copy=False)
+          for key, array in _reader(file)(file, path).items()
           if np.issubdtype(array.dtype, np.floating)}
+
+
+def _reader(file: str) -> Callable[[str, str], dict[str, np.ndarray]]:
+  """The reader of the weights file named `file`, by its suffix."""
+  return _read_safetensors if file.lower().endswith('.safetensors') else _read_torch
 
 
 def _require_reader(module: str, path: str):

@@ -41,7 +41,7 @@ class MissingPackage(ConfigError):
 class DownloadError(ConfigError):
   """Weights named by `key`'s `value` (a Hub name) that cannot be had: `reason` says why, one of
   'no_network', 'repository_not_found', 'revision_not_found', 'file_not_found', 'gated',
-  'offline_not_cached', 'http_error', 'incomplete'."""
+  'offline_not_cached', 'http_error', 'incomplete', 'hash_mismatch'."""
   label = 'Download error'
   required = ('key', 'value', 'reason')
 

@@ -24,6 +24,7 @@ import ml_collections
 import optax
 
 from backbones import hub
+from backbones import torch_hub
 from backbones import weights
 from configs import default
 from core import errors
@@ -382,10 +383,12 @@ def _extra_evaluation(config: ml_collections.ConfigDict, name: str,
 
 def _checked_init_from(path: str | None) -> str | None:
   """config.init_from, checked to exist before any data is read: PyTorch weights (a file, or a
-  Hub name, checked for its form here and downloaded when loaded) or a workdir or checkpoint of
-  this app."""
+  Hub name, URL or torchvision name, checked for its form here and downloaded when loaded) or
+  a workdir or checkpoint of this app."""
   if path and hub.is_hub_name(path):
     hub.parse(path)
+  elif path and torch_hub.is_download_name(path):
+    torch_hub.url(path)
   elif path and weights.is_pretrained_path(path):
     _require(os.path.isfile(path), 'init_from', path,
              f'config.init_from={path!r} is not a file: pass the path of a .safetensors (or '
