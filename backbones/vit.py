@@ -13,7 +13,7 @@ from backbones import weights
 import kernels
 import models
 
-# timm's keys -> this module's paths (its attribute names are timm's).
+# timm's keys -> this module's paths (its attribute names are timm's); torchvision's after.
 KEY_MAP = (
     (r'cls_token', 'cls_token', 'copy'),
     (r'reg_token', 'reg_token', 'copy'),
@@ -23,6 +23,21 @@ KEY_MAP = (
     *weights.linear_rules(r'(blocks\.\d+\.(?:attn\.qkv|attn\.proj|mlp\.fc\d))', r'\1'),
     (r'(blocks\.\d+\.ls\d\.gamma)', r'\1', 'copy'),
     *weights.linear_rules(r'head', 'head'),
+    # torchvision's keys (its VisionTransformer: vit_b_16 and kin), into the same paths.
+    (r'class_token', 'cls_token', 'copy'),
+    (r'encoder\.pos_embedding', 'pos_embed', 'pos_embed'),
+    *weights.conv_rules(r'conv_proj', 'patch_embed'),
+    *weights.norm_rules(r'encoder\.layers\.encoder_layer_(\d+)\.ln_(\d)', r'blocks.\1.norm\2'),
+    (r'encoder\.layers\.encoder_layer_(\d+)\.self_attention\.in_proj_weight',
+     r'blocks.\1.attn.qkv.kernel', 'linear'),
+    (r'encoder\.layers\.encoder_layer_(\d+)\.self_attention\.in_proj_bias',
+     r'blocks.\1.attn.qkv.bias', 'copy'),
+    *weights.linear_rules(r'encoder\.layers\.encoder_layer_(\d+)\.self_attention\.out_proj',
+                          r'blocks.\1.attn.proj'),
+    *weights.linear_rules(r'encoder\.layers\.encoder_layer_(\d+)\.mlp\.0', r'blocks.\1.mlp.fc1'),
+    *weights.linear_rules(r'encoder\.layers\.encoder_layer_(\d+)\.mlp\.3', r'blocks.\1.mlp.fc2'),
+    *weights.norm_rules(r'encoder\.ln', 'norm'),
+    *weights.linear_rules(r'heads\.head', 'head'),
 )
 
 

@@ -1,5 +1,6 @@
 """The smallest member of each backbone family, registered for the tests of what a family's
-layers do rather than what its size costs (export: every layer kind through every format).
+layers do rather than what its size costs (export: every layer kind through every format; the
+weight import of a layout, where registered with the family's key map).
 
 A family is one class at other depths and widths (`ResNet.depths`/`widths`, ...): these run its
 code with one block per stage and a few features, so a test compiles and converts in seconds
@@ -45,7 +46,7 @@ class SmallMobileNetV3(mobilenetv3.MobileNetV3):
   stem_features, conv_features, head_features = 8, 24, 32
 
 
-@models.MODELS.register('small_vit_for_test')
+@models.MODELS.register('small_vit_for_test', key_map=vit.KEY_MAP)  # Its weights import.
 class SmallViT(vit.VisionTransformer):
   features, depth, num_heads = 24, 2, 2
 

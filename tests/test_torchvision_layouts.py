@@ -1,0 +1,36 @@
+"""torchvision's layouts of the backbone families: a torchvision model of a family's smallest
+member, with seeded random weights, gives the same logits once its state_dict is imported
+(`weights.load_pretrained`) as torchvision gives. The ResNets, whose keys are timm's, are
+checked at full size in tests/test_backbones.py."""
+
+from backbones import weights
+from tests.helpers import small_backbones  # pylint: disable=unused-import  (registers them)
+from tests.helpers import timm_models
+from tests.helpers.build import create_backbone
+from tests.helpers.optional import requires_extras
+
+NUM_CLASSES = 5
+
+
+def _import(torch_model, name: str, tmp_path, image_size: int):
+  """Our `name` with `torch_model`'s state_dict imported, every variable loaded."""
+  import torch  # pylint: disable=g-import-not-at-top
+  path = str(tmp_path / 'weights.pth')
+  torch.save(torch_model.state_dict(), path)
+  model = create_backbone(name, image_shape=(image_size, image_size, 3), num_classes=NUM_CLASSES)
+  assert weights.load_pretrained(model, name, path)[1] == []
+  return model
+
+
+def test_vision_transformer(tmp_path):
+  """torchvision's VisionTransformer (vit_b_16's class) at the smallest ViT's size."""
+  requires_extras('torchvision', 'torch')
+  import torch  # pylint: disable=g-import-not-at-top
+  from torchvision.models import vision_transformer  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  torch_model = vision_transformer.VisionTransformer(
+      image_size=224, patch_size=16, num_layers=2, num_heads=2, hidden_dim=24, mlp_dim=96,
+      num_classes=NUM_CLASSES)
+  timm_models.randomise(torch_model)
+  model = _import(torch_model, 'small_vit_for_test', tmp_path, 224)
+  timm_models.assert_same_logits(torch_model.eval(), model, timm_models.images(224, 224))
