@@ -12,7 +12,7 @@ import kernels
 import models
 
 _BLOCK = r'stages\.\d+\.blocks\.\d+'
-# timm's keys -> this module's paths.
+# timm's keys -> this module's paths; torchvision's after.
 KEY_MAP = (
     *weights.conv_rules(r'stem\.0', 'stem_conv'),
     *weights.norm_rules(r'stem\.1', 'stem_norm'),
@@ -24,6 +24,26 @@ KEY_MAP = (
     (rf'({_BLOCK}\.gamma)', r'\1', 'copy'),
     *weights.norm_rules(r'head\.norm', 'head_norm'),
     *weights.linear_rules(r'head\.fc', 'head'),
+    # torchvision's keys (convnext_tiny and kin): `features` alternates the stem or a
+    # downsampling (even indices) with a stage's blocks (odd), each block a `Sequential`.
+    *weights.conv_rules(r'features\.0\.0', 'stem_conv'),
+    *weights.norm_rules(r'features\.0\.1', 'stem_norm'),
+    *(rule for stage in range(1, 4) for rule in (
+        *weights.norm_rules(rf'features\.{2 * stage}\.0', f'stages.{stage}.downsample_norm'),
+        *weights.conv_rules(rf'features\.{2 * stage}\.1', f'stages.{stage}.downsample_conv'))),
+    *(rule for stage in range(4) for rule in (
+        *weights.conv_rules(rf'features\.{2 * stage + 1}\.(\d+)\.block\.0',
+                            rf'stages.{stage}.blocks.\1.conv_dw'),
+        *weights.norm_rules(rf'features\.{2 * stage + 1}\.(\d+)\.block\.2',
+                            rf'stages.{stage}.blocks.\1.norm'),
+        *weights.linear_rules(rf'features\.{2 * stage + 1}\.(\d+)\.block\.3',
+                              rf'stages.{stage}.blocks.\1.mlp.fc1'),
+        *weights.linear_rules(rf'features\.{2 * stage + 1}\.(\d+)\.block\.5',
+                              rf'stages.{stage}.blocks.\1.mlp.fc2'),
+        (rf'features\.{2 * stage + 1}\.(\d+)\.layer_scale', rf'stages.{stage}.blocks.\1.gamma',
+         'reshape'))),
+    *weights.norm_rules(r'classifier\.0', 'head_norm'),
+    *weights.linear_rules(r'classifier\.2', 'head'),
 )
 
 

@@ -34,3 +34,18 @@ def test_vision_transformer(tmp_path):
   timm_models.randomise(torch_model)
   model = _import(torch_model, 'small_vit_for_test', tmp_path, 224)
   timm_models.assert_same_logits(torch_model.eval(), model, timm_models.images(224, 224))
+
+
+def test_convnext(tmp_path):
+  """torchvision's ConvNeXt (convnext_tiny's class) at the smallest ConvNeXt's size."""
+  requires_extras('torchvision', 'torch')
+  import torch  # pylint: disable=g-import-not-at-top
+  from torchvision.models import convnext  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  torch_model = convnext.ConvNeXt(
+      [convnext.CNBlockConfig(8, 16, 1), convnext.CNBlockConfig(16, 24, 1),
+       convnext.CNBlockConfig(24, 32, 1), convnext.CNBlockConfig(32, None, 1)],
+      num_classes=NUM_CLASSES)
+  timm_models.randomise(torch_model)
+  model = _import(torch_model, 'small_convnext_for_test', tmp_path, 64)
+  timm_models.assert_same_logits(torch_model.eval(), model, timm_models.images(64, 64))

@@ -22,7 +22,7 @@ class SmallResNet(resnet.ResNet):
   block, depths, widths = resnet.BasicBlock, (1, 1, 1, 1), (8, 16, 24, 32)
 
 
-@models.MODELS.register('small_convnext_for_test')
+@models.MODELS.register('small_convnext_for_test', key_map=convnext.KEY_MAP)
 class SmallConvNeXt(convnext.ConvNeXt):
   depths, widths = (1, 1, 1, 1), (8, 16, 24, 32)
 

@@ -12,10 +12,10 @@ NUM_CLASSES = 7
 
 
 def randomise(torch_model) -> None:
-  """Random values where timm's initialisation would hide mistakes: BatchNorm statistics and
-  affine parameters (otherwise the identity), ConvNeXt's and DINOv2's layer scale (otherwise
-  1e-6 or 1e-5) and the ViT's class token, register tokens and position embedding (otherwise
-  close to zero)."""
+  """Random values where timm's (or torchvision's) initialisation would hide mistakes: BatchNorm
+  statistics and BatchNorm's and LayerNorm's affine parameters (otherwise the identity),
+  ConvNeXt's and DINOv2's layer scale (otherwise 1e-6 or 1e-5) and the ViT's class token,
+  register tokens and position embedding (otherwise close to zero)."""
   import torch  # pylint: disable=g-import-not-at-top
   generator = torch.Generator().manual_seed(1)
   with torch.no_grad():
@@ -26,8 +26,12 @@ def randomise(torch_model) -> None:
         module.running_var.copy_(0.5 + torch.rand(size, generator=generator))
         module.weight.copy_(0.5 + torch.rand(size, generator=generator))
         module.bias.copy_(0.1 * torch.randn(size, generator=generator))
+      if isinstance(module, torch.nn.LayerNorm) and module.elementwise_affine:
+        module.weight.copy_(0.5 + torch.rand(module.weight.shape, generator=generator))
+        module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=generator))
     for name, parameter in torch_model.named_parameters():
-      if name.endswith('gamma') or name in ('cls_token', 'reg_token', 'pos_embed'):
+      if name.endswith(('gamma', 'layer_scale')) or name in (
+          'cls_token', 'reg_token', 'pos_embed', 'class_token', 'encoder.pos_embedding'):
         parameter.copy_(0.5 + torch.rand(parameter.shape, generator=generator))
   torch_model.eval()
 
