@@ -7,7 +7,7 @@ def get_config():
   config = default.get_config()
   config.schedule = 'cosine'  # After the warm-up, anneal to 0 by the last step.
   config.warmup_epochs = 0.2  # A short ramp lets the higher peak rate start stably.
-  config.learning_rate = 0.3  # Peak rate: 3x the default's constant rate.
-  config.num_epochs = 1  # One annealed epoch: 99.03-99.06% on the test split (seeds 0, 1, 2).
+  config.learning_rate = 0.4  # Peak rate: 4x the default's constant rate.
+  config.num_epochs = 1  # One annealed epoch: docs/runs/fast*.json.
   config.evaluators = 'loss|accuracy'  # Nothing but the eval scalars at each epoch.
   return config
