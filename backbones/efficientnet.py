@@ -35,8 +35,31 @@ def block_rules(separable: str, inverted: str) -> tuple:
                             *weights.norm_rules(rf'{block}\.{norm}', rf'\1.{norm_target}')))
 
 
+def _torchvision_rules() -> tuple:
+  """Key-map rules of torchvision's EfficientNet (efficientnet_b0): `features.0` the stem,
+  `features.N` stage N-1 (up to 9) and the last one the head convolution; each block's
+  `block.K` are its layers in order, a convolution (`.0`) and its BatchNorm (`.1`) each, the
+  squeeze-and-excitation's `fc1`/`fc2`. As in timm's layout, the first stage's blocks have no
+  expansion."""
+  rules = [*weights.conv_rules(r'features\.0\.0', 'conv_stem'),
+           *weights.norm_rules(r'features\.0\.1', 'bn1')]
+  for index in range(1, 10):
+    block, target = rf'features\.{index}\.(\d+)\.block', rf'blocks.{index - 1}.\1'
+    layers, se = ((('0', 'dw'), ('2', 'projection')), '1') if index == 1 else (
+        (('0', 'expansion'), ('1', 'dw'), ('3', 'projection')), '2')
+    for position, role in layers:
+      rules += (*weights.conv_rules(rf'{block}\.{position}\.0', rf'{target}.conv_{role}'),
+                *weights.norm_rules(rf'{block}\.{position}\.1', rf'{target}.bn_{role}'))
+    rules += (*weights.conv_rules(rf'{block}\.{se}\.fc1', rf'{target}.se.conv_reduce'),
+              *weights.conv_rules(rf'{block}\.{se}\.fc2', rf'{target}.se.conv_expand'))
+  return (*rules, *weights.conv_rules(r'features\.[1-9]\d*\.0', 'conv_head'),
+          *weights.norm_rules(r'features\.[1-9]\d*\.1', 'bn2'),
+          *weights.linear_rules(r'classifier\.1', 'classifier'))
+
+
 # timm's keys -> this module's paths: the first stage has depthwise-separable blocks, the others
-# inverted residuals.
+# inverted residuals;
+# torchvision's after.
 KEY_MAP = (
     *weights.conv_rules(r'conv_stem', 'conv_stem'),
     *weights.norm_rules(r'bn1', 'bn1'),
@@ -45,6 +68,7 @@ KEY_MAP = (
     *weights.conv_rules(r'conv_head', 'conv_head'),
     *weights.norm_rules(r'bn2', 'bn2'),
     *weights.linear_rules(r'classifier', 'classifier'),
+    *_torchvision_rules(),
 )
 
 

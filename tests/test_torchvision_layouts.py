@@ -49,3 +49,20 @@ def test_convnext(tmp_path):
   timm_models.randomise(torch_model)
   model = _import(torch_model, 'small_convnext_for_test', tmp_path, 64)
   timm_models.assert_same_logits(torch_model.eval(), model, timm_models.images(64, 64))
+
+
+def test_efficientnet(tmp_path):
+  """torchvision's EfficientNet (efficientnet_b0's class) at the smallest EfficientNet's size:
+  both block kinds, squeeze-and-excitation, the head convolution."""
+  requires_extras('torchvision', 'torch')
+  import torch  # pylint: disable=g-import-not-at-top
+  from torchvision.models import efficientnet  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  stages = [efficientnet.MBConvConfig(1, 3, 1, 8, 8, 1),
+            efficientnet.MBConvConfig(6, 3, 2, 8, 16, 2),
+            efficientnet.MBConvConfig(6, 5, 2, 16, 24, 1)]
+  torch_model = efficientnet.EfficientNet(stages, dropout=0.2, last_channel=32,
+                                          num_classes=NUM_CLASSES)
+  timm_models.randomise(torch_model)
+  model = _import(torch_model, 'small_efficientnet_for_test', tmp_path, 64)
+  timm_models.assert_same_logits(torch_model.eval(), model, timm_models.images(64, 64))

@@ -27,7 +27,7 @@ class SmallConvNeXt(convnext.ConvNeXt):
   depths, widths = (1, 1, 1, 1), (8, 16, 24, 32)
 
 
-@models.MODELS.register('small_efficientnet_for_test')
+@models.MODELS.register('small_efficientnet_for_test', key_map=efficientnet.KEY_MAP)
 class SmallEfficientNet(efficientnet.EfficientNet):
   # Both block kinds (no expansion; expansion with a 3x3 and a 5x5 depthwise convolution), one
   # with its skip connection.
