@@ -59,6 +59,22 @@ def url(path: str) -> str:
   return address
 
 
+def pretrained_cfg(path: str) -> dict | None:
+  """The preprocessing torchvision's weights named by `path` were trained with, as timm's
+  `pretrained_cfg` keys (input_size, crop_pct, interpolation, mean, std), from the weights'
+  own `transforms()`; None for a URL, which says nothing of it."""
+  if not path.startswith(TORCHVISION_PREFIX):
+    return None
+  url(path)  # A ConfigError for an unknown name.
+  torchvision_models = errors.require('torchvision.models', f'config.init_from={path!r}',
+                                      key='init_from', value=path)
+  transforms = torchvision_models.get_weight(path.removeprefix(TORCHVISION_PREFIX)).transforms()
+  crop_size, resize_size = transforms.crop_size[0], transforms.resize_size[0]
+  return dict(input_size=(3, crop_size, crop_size), crop_pct=round(crop_size / resize_size, 4),
+              interpolation=transforms.interpolation.value, mean=tuple(transforms.mean),
+              std=tuple(transforms.std))
+
+
 def download(path: str, check: Callable[[str], object]) -> str:
   """The local file of the weights `path` names: from torch.hub's cache, else downloaded into
   it once `check(temporary_file)` has read it without raising. A `DownloadError` (key

@@ -149,3 +149,15 @@ def test_torchvision_weights_by_name_load_from_torch_hubs_cache(cache):
   model = create_backbone('resnet18', image_shape=(64, 64, 3), num_classes=1000)
   assert weights.load_pretrained(model, 'resnet18', name)[1] == []
   timm_models.assert_same_logits(torch_model, model, timm_models.images(64, 64))
+
+
+def test_torchvision_weights_bring_their_own_preprocessing():
+  """Unset, config.preprocess is what torchvision's weights were trained with (their
+  transforms(): ImageNet's statistics, a 224 crop of the shorter side resized to 232, bilinear
+  for ResNet50_Weights.IMAGENET1K_V2), not timm's pretrained_cfg of the model (0.95, bicubic)."""
+  requires_extras('torchvision')
+  config = default.get_config()
+  config.update(model='resnet50', init_from='torchvision:ResNet50_Weights.IMAGENET1K_V2')
+  assert run_spec.resolve(config).input.preprocess.spec == (
+      "random_resized_crop(224, crop_pct=0.9655, interpolation='bilinear')|flip_lr|"
+      "normalize('imagenet')")

@@ -187,16 +187,20 @@ def resolve(config: ml_collections.ConfigDict) -> Run:
 
 def _preprocessing(config: ml_collections.ConfigDict) -> preprocessing.Preprocessing:
   """config.preprocess; unset (''), with init_from a backbone's pretrained weights, the
-  preprocessing those weights were trained with (the model's timm pretrained_cfg), logged."""
+  preprocessing those weights were trained with (torchvision's weights' own, else the model's
+  timm pretrained_cfg), logged."""
   pretrained = models.MODELS.capability(config.model, 'pretrained')
   if (config.preprocess or not pretrained or not config.init_from
       or not weights.is_pretrained_path(config.init_from)):
     return preprocessing.parse(config.preprocess)
+  source = 'timm\'s pretrained_cfg'
+  if (torchvision := torch_hub.pretrained_cfg(config.init_from)) is not None:
+    pretrained, source = torchvision, 'the torchvision weights\' transforms()'
   spec = crop.pretrained_spec(pretrained)
   logging.info('config.preprocess is not set and config.init_from=%r holds pretrained %s '
-               'weights: preprocessing as they were trained (timm\'s pretrained_cfg: crop_pct '
-               '%s, %s), %r; eval, predict and export take the centre crop.', config.init_from,
-               config.model, pretrained['crop_pct'], pretrained['interpolation'], spec)
+               'weights: preprocessing as they were trained (%s: crop_pct %s, %s), %r; eval, '
+               'predict and export take the centre crop.', config.init_from, config.model,
+               source, pretrained['crop_pct'], pretrained['interpolation'], spec)
   return preprocessing.parse(spec)
 
 
