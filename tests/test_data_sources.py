@@ -237,12 +237,14 @@ def test_torchvision_cli_run_scores_98_percent(torchvision_root, tmp_path):
 def test_short_runs_through_huggingface_and_the_torch_backend(torchvision_root, huggingface_dir,
                                                              tmp_path):
   requires_extras('torch')
-  # 100 steps each on real training images, then scored on the 10,000 real test images.
+  # 50 steps each on real training images (94.6% through the torch backend), then scored on
+  # the 10,000 real test images.
   runs = {
       'torch_backend': _config(data_source='torchvision', dataset='MNIST',
                                data_dir=torchvision_root, input_backend='torch',
-                               train_split='train[:12800]'),
-      'huggingface': _config(data_source='huggingface', dataset=huggingface_dir),
+                               train_split='train[:6400]'),
+      'huggingface': _config(data_source='huggingface', dataset=huggingface_dir,
+                             train_split='train[:6400]'),
   }
   for name, config in runs.items():
     config.num_epochs = 1
