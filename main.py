@@ -23,29 +23,22 @@ MALLOC_TUNED = runtime.start(verbose='--verbose' in sys.argv)  # Before TF and J
 from absl import app
 from absl import flags
 from absl import logging
-import jax
 import ml_collections
 from ml_collections import config_flags
-import tensorflow as tf
 
 from core import cli
 from core import errors
-from modes import evaluate
-from modes import export
-from modes import predict
-import train
-from training import calibration
-from training import checkpointing
-from training import parallel
-from training import run_spec
-from training import workdirs
+from core import saved_config
+
+# TensorFlow, JAX and the app's modules are imported in `main`, once the flags have parsed: a
+# mistyped flag or config key is refused in about a second instead of after ~10 s of imports.
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs', 'default.py')
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and TensorBoard files.')
 cli.define_config(DEFAULT_CONFIG, 'Path to a config file with get_config(). Default: the config '
                   'the workdir was trained with, else configs/default.py.',
-                  run_spec.saved_config)
+                  saved_config.with_defaults)
 flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'export', 'predict'],
                   'train (resuming from the latest checkpoint), eval (score a checkpoint, with '
                   'a report), export (a checkpoint as a TF SavedModel, or --export_format) or '
@@ -55,16 +48,15 @@ flags.DEFINE_string('inputs', None, '--mode=predict: an image file, a directory 
                     '(searched recursively), a glob pattern or a CSV file listing images.')
 flags.DEFINE_integer('top_k', 1, '--mode=predict: the N most probable classes of each image '
                      '(columns class_1,probability_1,...; 1: file,class,probability).')
-flags.DEFINE_enum('tta', None, list(calibration.TTA_CHOICES), '--mode=predict: test-time '
-                  'augmentation, flip: the mean softmax over each image and its mirror '
-                  '(--mode=eval: config.eval_tta).')
+flags.DEFINE_string('tta', None, '--mode=predict: test-time augmentation, flip: the mean '
+                    'softmax over each image and its mirror (--mode=eval: config.eval_tta).')
 flags.DEFINE_string('checkpoint', 'latest', '--mode=eval/export/predict: the checkpoint to use: '
                     'latest, best (best config.best_metric at an epoch end) or a step number.')
-# A string, checked by the export against its registry: a plug-in format registered by a module
-# the config file imports is known only once the flags are parsed.
-flags.DEFINE_string('export_format', export.DEFAULT_FORMAT,
-                    f'--mode=export: the format, one of {", ".join(export.FORMATS.names())} or '
-                    "a plug-in's (docs/export.md); each with a model card.")
+# Checked by the export against its registry, which lists the formats in its error: a plug-in
+# format registered by a module the config file imports is known only once the flags parse.
+flags.DEFINE_string('export_format', None,
+                    '--mode=export: the format, saved_model by default, or another of '
+                    'modes/export/ or a plug-in (docs/export.md); each with a model card.')
 flags.DEFINE_bool('verbose', False, "Show the libraries' start-up notices and INFO lines.")
 flags.DEFINE_string('coordinator_address', None,
                     'HOST:PORT of process 0, for a multi-process run (jax.distributed).')
@@ -77,7 +69,7 @@ def load_config() -> ml_collections.ConfigDict:
   configs/default.py (either the flag's default, with the --config.<key> overrides applied).
   Eval, export and predict always start from the saved config, even with --config: the
   checkpoint's model and data are its."""
-  config = run_spec.saved_config(FLAGS.workdir) if os.path.isdir(FLAGS.workdir) else None
+  config = saved_config.with_defaults(FLAGS.workdir) if os.path.isdir(FLAGS.workdir) else None
   if config is None or FLAGS.mode == 'train' or not FLAGS['config'].present:
     return FLAGS.config
   try:
@@ -99,6 +91,18 @@ def load_config() -> ml_collections.ConfigDict:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  # pylint: disable=g-import-not-at-top  (after the flags: see above)
+  import jax
+  import tensorflow as tf
+  from modes import evaluate
+  from modes import export
+  from modes import predict
+  import train
+  from training import checkpointing
+  from training import parallel
+  from training import run_spec
+  from training import workdirs
+  # pylint: enable=g-import-not-at-top
   runtime.quiet_libraries(FLAGS.verbose)
   # TensorFlow only feeds data; keep it off the GPUs so JAX gets all their memory.
   tf.config.set_visible_devices([], 'GPU')
@@ -113,7 +117,8 @@ def main(argv):
     elif FLAGS.mode == 'eval':  # Eval, export and predict only read the workdir.
       evaluate.evaluate_checkpoint(run, FLAGS.workdir, FLAGS.checkpoint)
     elif FLAGS.mode == 'export':
-      export.export(run, FLAGS.workdir, FLAGS.export_format, FLAGS.checkpoint)
+      export.export(run, FLAGS.workdir, FLAGS.export_format or export.DEFAULT_FORMAT,
+                    FLAGS.checkpoint)
     else:
       predict.predict(run, FLAGS.workdir, FLAGS.inputs, FLAGS.checkpoint, FLAGS.top_k,
                       FLAGS.tta)

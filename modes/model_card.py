@@ -12,6 +12,7 @@ import datetime
 import json
 import os
 
+from core import saved_config
 from data_sources import base
 from training import provenance
 from training import summaries
@@ -40,7 +41,7 @@ def card(workdir: str, *, export_format: str, model_path: str, usage: str,
   `format_details`: the format's own entries; `preparation`: the image ops (config.preprocess's
   language) that make an image of any size the model-size image."""
   height, width, channels = info.image_shape
-  config = workdirs.saved_config(workdir)
+  config = saved_config.read(workdir)
   final, test = final_metrics(workdir)
   return {
       'format': export_format,

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from backbones import weights
 from core import errors
+from core import saved_config
 from training import checkpointing
 from training import run_spec
 from training import state as state_lib
@@ -45,7 +46,7 @@ def load_checkpoint(model: nnx.Module, path: str,
   (`weights.assign`), but those matching a regex of `exclude`. Returns the names loaded and the
   others with the reason; a `ConfigError` if nothing matches."""
   saved_path = checkpointing.checkpoint_path(path)
-  if (source := run_spec.saved_config(path)) is not None:
+  if (source := saved_config.with_defaults(path)) is not None:
     best = run_spec.resolve(source).best
     checkpoints = checkpointing.Checkpoints(path, best.name, best.maximize, reader=True)
     with contextlib.closing(checkpoints) as saved:

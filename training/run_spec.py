@@ -26,7 +26,6 @@ import optax
 from backbones import hub
 from backbones import torch_hub
 from backbones import weights
-from configs import default
 from core import errors
 import data_sources
 from data_sources import base
@@ -411,13 +410,3 @@ def _best_metric(name: str, evaluations: tuple[evaluation.Evaluation, ...]) -> B
            f'config.best_metric={name!r} is invalid: it must be a scalar of an evaluation that '
            f'runs every epoch: one of {sorted(candidates)}.')
   return BestMetric(name, candidates[name])
-
-
-def saved_config(workdir: str) -> ml_collections.ConfigDict | None:
-  """The config `workdir`'s checkpoints were trained with, if saved, on today's defaults (keys
-  added to the app since it was trained take their default values)."""
-  if (saved := workdirs.saved_config(workdir)) is None:
-    return None
-  config = default.get_config()
-  config.update(saved)
-  return config

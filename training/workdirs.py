@@ -21,11 +21,12 @@ import jax
 import ml_collections
 
 from core import errors
+from core.saved_config import CONFIG_FILE
+from core.saved_config import read as saved_config
 from data_sources import base
 import models
 
 LOCK_FILE = 'lock'
-CONFIG_FILE = 'config.json'
 INFO_FILE = 'dataset_info.json'
 _PROBE_BYTES = 1 << 20  # Written by the workdir check: a full disk fails it, an empty file not.
 # Changing these on resume would continue with another data order, or another shape of the
@@ -119,15 +120,6 @@ def write_json(path: str, value) -> None:
   with open(path + '.tmp', 'w', encoding='utf-8') as file:
     json.dump(value, file, indent=2, sort_keys=True)
   os.replace(path + '.tmp', path)
-
-
-def saved_config(workdir: str) -> ml_collections.ConfigDict | None:
-  """The config `workdir`'s checkpoints were trained with, if saved."""
-  path = os.path.join(workdir, CONFIG_FILE)
-  if not os.path.exists(path):
-    return None
-  with open(path, encoding='utf-8') as file:
-    return ml_collections.ConfigDict(json.load(file))
 
 
 def _flat(settings: dict) -> dict:

@@ -1,0 +1,35 @@
+"""The config a workdir was trained with: training saves it as <workdir>/config.json, and every
+later command on the workdir (a resume, eval, predict, export, init_from) reads it back.
+
+Light on purpose (ml_collections alone): main.py and sweep.py read it while they parse the
+command line, before TensorFlow and JAX are imported, so that a mistyped flag is refused in a
+second.
+"""
+
+import json
+import os
+
+import ml_collections
+
+from configs import default
+
+CONFIG_FILE = 'config.json'
+
+
+def read(workdir: str) -> ml_collections.ConfigDict | None:
+  """The config `workdir`'s checkpoints were trained with, as saved; None if none is."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding='utf-8') as file:
+    return ml_collections.ConfigDict(json.load(file))
+
+
+def with_defaults(workdir: str) -> ml_collections.ConfigDict | None:
+  """`read(workdir)` on today's defaults: keys added to the app since it was trained take their
+  default values."""
+  if (saved := read(workdir)) is None:
+    return None
+  config = default.get_config()
+  config.update(saved)
+  return config
