@@ -307,7 +307,9 @@ def test_killed_search_resumes_and_more_trials_are_pruned(random_search, tfds_da
   assert interrupted.state == optuna.trial.TrialState.RUNNING
   assert not (workdir / 'trial_0005').exists()
 
-  result = _run(workdir, tfds_data_dir, *more)
+  # Rerun two at a time (--parallel may change between runs of a study): the resumption and
+  # the new trial start together, each judged against trials 0-3, the only complete ones.
+  result = _run(workdir, tfds_data_dir, *more, '--parallel=2')
   assert result.returncode == 0, result.stderr[-3000:]
   assert '4 finished, 1 to resume, 1 to run' in result.stderr
   study = load_study(workdir)
