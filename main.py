@@ -3,8 +3,8 @@
 Rerunning the command on the same workdir resumes from its latest checkpoint. On a trained
 workdir, `--mode=eval` scores a checkpoint, `--mode=export` writes it as a TF SavedModel (or
 ONNX, TFLite, StableHLO or a plug-in format: --export_format) and
-`--mode=predict --inputs=PATH` classifies image files; they read the config the workdir was
-trained with, so they need only `--workdir`.
+`--mode=predict --inputs=PATH` classifies image files (`--mode=embed`: their pooled features);
+they read the config the workdir was trained with, so they need only `--workdir`.
 
 Override any config value with `--config.<key>=<value>`, e.g. `--config.learning_rate=0.05`.
 On several hosts, start the same command on each: JAX detects SLURM, Open MPI and Cloud TPU
@@ -39,12 +39,13 @@ flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and Ten
 cli.define_config(DEFAULT_CONFIG, 'Path to a config file with get_config(). Default: the config '
                   'the workdir was trained with, else configs/default.py.',
                   saved_config.with_defaults)
-flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'export', 'predict'],
+flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'export', 'predict', 'embed'],
                   'train (resuming from the latest checkpoint), eval (score a checkpoint, with '
-                  'a report), export (a checkpoint as a TF SavedModel, or --export_format) or '
-                  'predict (classify the images of --inputs).')
+                  'a report), export (a checkpoint as a TF SavedModel, or --export_format), '
+                  'predict (classify the images of --inputs) or embed (their pooled features, '
+                  'a backbone\'s, into embeddings.npy).')
 flags.mark_flags_as_required(['workdir'])
-flags.DEFINE_string('inputs', None, '--mode=predict: an image file, a directory of images '
+flags.DEFINE_string('inputs', None, '--mode=predict/embed: an image file, a directory of images '
                     '(searched recursively), a glob pattern or a CSV file listing images.')
 flags.DEFINE_integer('top_k', 1, '--mode=predict: the N most probable classes of each image '
                      '(columns class_1,probability_1,...; 1: file,class,probability).')
@@ -94,6 +95,7 @@ def main(argv):
   # pylint: disable=g-import-not-at-top  (after the flags: see above)
   import jax
   import tensorflow as tf
+  from modes import embed
   from modes import evaluate
   from modes import export
   from modes import predict
@@ -119,6 +121,8 @@ def main(argv):
     elif FLAGS.mode == 'export':
       export.export(run, FLAGS.workdir, FLAGS.export_format or export.DEFAULT_FORMAT,
                     FLAGS.checkpoint)
+    elif FLAGS.mode == 'embed':
+      embed.embed(run, FLAGS.workdir, FLAGS.inputs, FLAGS.checkpoint)
     else:
       predict.predict(run, FLAGS.workdir, FLAGS.inputs, FLAGS.checkpoint, FLAGS.top_k,
                       FLAGS.tta)

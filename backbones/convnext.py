@@ -114,11 +114,16 @@ class ConvNeXt(nnx.Module):
                               rngs=rngs)
     self.remat = remat
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def pre_logits(self, x: jax.Array) -> jax.Array:
+    """The pooled features the classifier takes (timm's `forward_head(forward_features(x),
+    pre_logits=True)`): the embedding of `--mode=embed`."""
     x = self.stem_norm(self.stem_conv(x))
     for stage in self.stages:
       x = stage(x, self.remat)
-    return common.head(self.head_norm(x.mean(axis=(1, 2))), self.dropout, self.head)
+    return self.head_norm(x.mean(axis=(1, 2)))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return common.head(self.pre_logits(x), self.dropout, self.head)
 
 
 # Layers for layer-wise decay and linear probing, as timm's ConvNeXt.group_matcher (fine): a

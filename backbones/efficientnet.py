@@ -158,12 +158,16 @@ class EfficientNet(nnx.Module):
     self.classifier = layers.linear(self.head_features, num_classes, rngs=rngs)
     self.remat = remat
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def pre_logits(self, x: jax.Array) -> jax.Array:
+    """The pooled features the classifier takes (timm's `forward_head(forward_features(x),
+    pre_logits=True)`): the embedding of `--mode=embed`."""
     x = nnx.silu(self.bn1(self.conv_stem(x)))
     for stage in self.blocks:
       x = common.run_blocks(stage, x, self.remat)
-    x = nnx.silu(self.bn2(self.conv_head(x)))
-    return common.head(x.mean(axis=(1, 2)), self.dropout, self.classifier)
+    return nnx.silu(self.bn2(self.conv_head(x))).mean(axis=(1, 2))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return common.head(self.pre_logits(x), self.dropout, self.classifier)
 
 
 @models.MODELS.register(

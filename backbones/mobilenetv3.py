@@ -189,12 +189,17 @@ class MobileNetV3(nnx.Module):
     self.classifier = layers.linear(self.head_features, num_classes, rngs=rngs)
     self.remat = remat
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def pre_logits(self, x: jax.Array) -> jax.Array:
+    """The pooled features the classifier takes (timm's `forward_head(forward_features(x),
+    pre_logits=True)`): the embedding of `--mode=embed`."""
     x = hard_swish(self.bn1(self.conv_stem(x)))
     for stage in self.blocks:
       x = common.run_blocks(stage, x, self.remat)
     x = hard_swish(self.conv_head(x.mean(axis=(1, 2), keepdims=True)))
-    return common.head(x.reshape(x.shape[0], -1), self.dropout, self.classifier)
+    return x.reshape(x.shape[0], -1)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return common.head(self.pre_logits(x), self.dropout, self.classifier)
 
 
 @models.MODELS.register(

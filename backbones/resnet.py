@@ -111,13 +111,18 @@ class ResNet(nnx.Module):
     self.fc = layers.linear(in_features, num_classes, rngs=rngs)
     self.remat = remat
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def pre_logits(self, x: jax.Array) -> jax.Array:
+    """The pooled features the classifier takes (timm's `forward_head(forward_features(x),
+    pre_logits=True)`): the embedding of `--mode=embed`."""
     x = nnx.relu(self.bn1(self.conv1(x)))
     # torch's MaxPool2d(3, 2, padding=1) pads with -inf, as flax's max_pool does.
     x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
     for stage in (self.layer1, self.layer2, self.layer3, self.layer4):
       x = common.run_blocks(stage, x, self.remat)
-    return common.head(x.mean(axis=(1, 2)), self.dropout, self.fc)
+    return x.mean(axis=(1, 2))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return common.head(self.pre_logits(x), self.dropout, self.fc)
 
 
 # timm's default weights of each (its first tag): torch's ResNet recipe A1 (Wightman et al.

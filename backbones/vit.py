@@ -148,7 +148,9 @@ class VisionTransformer(nnx.Module):
                               rngs=rngs)
     self.remat = remat
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def pre_logits(self, x: jax.Array) -> jax.Array:
+    """The pooled features the classifier takes (timm's `forward_head(forward_features(x),
+    pre_logits=True)`): the embedding of `--mode=embed`."""
     x = self.patch_embed(x)
     x = x.reshape(x.shape[0], -1, x.shape[-1])  # Row-major patches, as torch's flatten(2).
     # The class token, then the registers (timm's order), one copy per example.
@@ -161,8 +163,10 @@ class VisionTransformer(nnx.Module):
       x = jnp.concatenate([*prefix, x], axis=1) + pos_embed
     x = self.norm(common.run_blocks(self.blocks, x, self.remat))
     # The class token, sliced: see `Attention` for why not `x[:, 0]`.
-    return common.head(jax.lax.index_in_dim(x, 0, axis=1, keepdims=False), self.dropout,
-                       self.head)
+    return jax.lax.index_in_dim(x, 0, axis=1, keepdims=False)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return common.head(self.pre_logits(x), self.dropout, self.head)
 
 
 # timm's default weights of each: AugReg's ImageNet-21k pre-training fine-tuned on ImageNet-1k

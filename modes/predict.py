@@ -27,6 +27,7 @@ import functools
 import glob
 import os
 import time
+from typing import NamedTuple
 
 from absl import logging
 from flax import nnx
@@ -36,6 +37,7 @@ import tensorflow as tf
 
 from core import errors
 from core import progress
+from data_sources import base
 from data_sources import image_files
 import modes
 import preprocessing
@@ -97,12 +99,13 @@ def _probabilities(model: nnx.Module, preprocess: preprocessing.Preprocessing,
   return jax.nn.softmax(model(preprocess.scale(images)).astype(jax.numpy.float32))
 
 
-class _Progress:
-  """A line every `every_seconds` while predicting: images done, images/s and an ETA, from the
-  batches finished since the first (which includes the compilation)."""
+class Progress:
+  """A line every `every_seconds` while going through images: images done (`verb`: 'predicted'),
+  images/s and an ETA, from the batches finished since the first (which includes the
+  compilation)."""
 
-  def __init__(self, total: int, every_seconds: float):
-    self._total, self._every = total, every_seconds
+  def __init__(self, total: int, every_seconds: float, verb: str):
+    self._total, self._every, self._verb = total, every_seconds, verb
     self._rate = progress.Rate(0, total)
     self._last_report = None
 
@@ -116,30 +119,30 @@ class _Progress:
       return
     self._last_report = now
     rate, left = measured
-    logging.info('predicted %d/%d images (%.1f%%): %.1f images/s, ETA %s', done, self._total,
+    logging.info('%s %d/%d images (%.1f%%): %.1f images/s, ETA %s', self._verb, done, self._total,
                  100 * done / self._total, rate, progress.duration(left))
 
 
-def predict(run: run_spec.Run, workdir: str, inputs: str | None, checkpoint: str = 'latest',
-            top_k: int = 1, tta: str | None = None) -> str:
-  """Writes the `top_k` most probable classes of each image under `inputs` to
-  <workdir>/predictions.csv, with test-time augmentation `tta` (calibration.TTA_CHOICES)."""
+class Images(NamedTuple):
+  """The images under `--inputs`: `batches` of {'path', 'image'} (uint8, the model's size),
+  decoded and resized as eval's; `files`, the readable ones in order; `skipped`, the others."""
+  batches: tf.data.Dataset
+  files: list[str]
+  skipped: list[str]
+
+
+def check_inputs(inputs: str | None, mode: str) -> None:
+  """A `FlagError` if `--mode=<mode>` has no --inputs."""
   if not inputs:
     raise errors.FlagError(
-        '--mode=predict needs --inputs=PATH: an image file, a directory of images (searched '
+        f'--mode={mode} needs --inputs=PATH: an image file, a directory of images (searched '
         'recursively), a glob pattern such as "photos/*.jpg" or a CSV file listing images.',
         flag='inputs', value=inputs)
-  info = modes.dataset_info(run, workdir)
-  if not (isinstance(top_k, int) and 1 <= top_k <= info.num_classes):
-    raise errors.FlagError(
-        f'--top_k={top_k} is invalid: the model has {info.num_classes} classes, so give a '
-        f'number in [1, {info.num_classes}].', flag='top_k', value=top_k)
-  if tta not in (None, *calibration.TTA_CHOICES):
-    raise errors.FlagError(f'--tta={tta!r} is invalid: use one of {calibration.TTA_CHOICES} or '
-                           'leave it unset.', flag='tta', value=tta)
-  model, step = modes.load_model(run, workdir, info, checkpoint)
-  temperature = calibration.saved_temperature(workdir, run.temperature_scaling)
-  model = calibration.scored(model, temperature, tta)
+
+
+def read_images(run: run_spec.Run, info: base.DatasetInfo, inputs: str) -> Images:
+  """The images under `inputs` (`check_inputs`); a `FlagError` if there is no readable image
+  under it, or colour images for a grayscale model."""
   headers, skipped = image_files.read_headers(find_inputs(inputs))
   if not headers:
     found = f' (only {len(skipped)} unreadable files)' if skipped else ''
@@ -155,8 +158,6 @@ def predict(run: run_spec.Run, workdir: str, inputs: str | None, checkpoint: str
         f'--inputs has {len(colour)} colour images ({named}) but the model takes grayscale '
         'images: convert them to grayscale, or use a model trained on colour images.',
         flag='inputs', value=inputs)
-  logging.info('Predicting %d images with the checkpoint at step %d (temperature %.4f, '
-               'test-time augmentation %s).', len(headers), step, temperature, tta or 'none')
   preprocess = run.input.preprocess
 
   def prepared(path, orientation, alpha) -> dict[str, tf.Tensor]:
@@ -165,7 +166,7 @@ def predict(run: run_spec.Run, workdir: str, inputs: str | None, checkpoint: str
     return {'path': path, 'image': tf.ensure_shape(image, info.image_shape)}
 
   # A file that passes the header check but fails to decode is dropped, not fatal: the paths
-  # that come out say which.
+  # that come out say which (`warn_unread`).
   batches = (tf.data.Dataset.from_tensor_slices((
       [header.path for header in headers], [header.orientation for header in headers],
       [header.alpha for header in headers]))
@@ -173,15 +174,43 @@ def predict(run: run_spec.Run, workdir: str, inputs: str | None, checkpoint: str
              .ignore_errors()
              .batch(run.eval_batch_size)
              .prefetch(1))
+  return Images(batches, [header.path for header in headers], skipped)
+
+
+def warn_unread(images: Images, paths: list[str]) -> None:
+  """One warning for the files of `images` that are not among the `paths` read."""
+  read = set(paths)
+  image_files.warn_skipped(images.skipped + [path for path in images.files if path not in read])
+
+
+def predict(run: run_spec.Run, workdir: str, inputs: str | None, checkpoint: str = 'latest',
+            top_k: int = 1, tta: str | None = None) -> str:
+  """Writes the `top_k` most probable classes of each image under `inputs` to
+  <workdir>/predictions.csv, with test-time augmentation `tta` (calibration.TTA_CHOICES)."""
+  check_inputs(inputs, 'predict')
+  info = modes.dataset_info(run, workdir)
+  if not (isinstance(top_k, int) and 1 <= top_k <= info.num_classes):
+    raise errors.FlagError(
+        f'--top_k={top_k} is invalid: the model has {info.num_classes} classes, so give a '
+        f'number in [1, {info.num_classes}].', flag='top_k', value=top_k)
+  if tta not in (None, *calibration.TTA_CHOICES):
+    raise errors.FlagError(f'--tta={tta!r} is invalid: use one of {calibration.TTA_CHOICES} or '
+                           'leave it unset.', flag='tta', value=tta)
+  images = read_images(run, info, inputs)
+  model, step = modes.load_model(run, workdir, info, checkpoint)
+  temperature = calibration.saved_temperature(workdir, run.temperature_scaling)
+  model = calibration.scored(model, temperature, tta)
+  logging.info('Predicting %d images with the checkpoint at step %d (temperature %.4f, '
+               'test-time augmentation %s).', len(images.files), step, temperature,
+               tta or 'none')
+  preprocess = run.input.preprocess
   paths, probabilities = [], []
-  shown = _Progress(len(headers), PROGRESS_SECONDS)
-  for batch in batches.as_numpy_iterator():
+  shown = Progress(len(images.files), PROGRESS_SECONDS, 'predicted')
+  for batch in images.batches.as_numpy_iterator():
     paths += [path.decode() for path in batch['path']]
     probabilities.append(np.asarray(_probabilities(model, preprocess, batch['image'])))
     shown.update(len(paths))
-  decoded = set(paths)
-  image_files.warn_skipped(skipped + [header.path for header in headers
-                                      if header.path not in decoded])
+  warn_unread(images, paths)
   probabilities = np.concatenate(probabilities) if probabilities else np.zeros((0, 1))
   # Most probable first; a stable sort keeps argmax's choice among ties as the first class.
   ranked = np.argsort(-probabilities, axis=1, kind='stable')[:, :top_k]

@@ -1,0 +1,70 @@
+"""Embed mode: the pooled features of image files, as the classifier takes them.
+
+    python main.py --workdir=runs/photos --mode=embed --inputs=PATH [--checkpoint=best]
+
+PATH is what `--mode=predict` takes, and each image is read and preprocessed as predict reads
+it (the eval resize and crop). `<workdir>/embeddings.npy` gets one float32 row per image: the
+backbone's pooled features before the classifier (timm's `forward_head(forward_features(x),
+pre_logits=True)`), the EMA weights' when the run averaged them; `<workdir>/embeddings.csv`
+names the image of each row, in the same order. A workdir of imported weights alone
+(`--config.init_from=...`, never trained) embeds with those weights. Only the backbones have
+pooled features; the small reference models (cnn, mlp) are refused.
+"""
+
+import csv
+import functools
+import os
+
+from absl import logging
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from core import errors
+import models
+import modes
+from modes import predict
+import preprocessing
+from training import run_spec
+
+EMBEDDINGS_FILE = 'embeddings.npy'
+FILES_FILE = 'embeddings.csv'
+
+
+@functools.partial(nnx.jit, static_argnums=1)
+def _embeddings(model: nnx.Module, preprocess: preprocessing.Preprocessing,
+                images: jax.Array) -> jax.Array:
+  """The pooled features of a uint8 batch, scaled by `preprocess` in the same program."""
+  return model.pre_logits(preprocess.scale(images)).astype(jnp.float32)
+
+
+def embed(run: run_spec.Run, workdir: str, inputs: str | None,
+          checkpoint: str = 'latest') -> str:
+  """Writes the pooled features of each image under `inputs` to <workdir>/embeddings.npy and
+  their files to <workdir>/embeddings.csv; returns the .npy's path."""
+  predict.check_inputs(inputs, 'embed')
+  if not hasattr(models.MODELS.entry(run.model.name).factory, 'pre_logits'):
+    raise errors.ConfigError(
+        f'--mode=embed: model {run.model.name!r} has no pooled features before its classifier: '
+        'embed with a backbone (resnet18, vit_small_patch16_224, ...).', key='model',
+        value=run.model.name)
+  info = modes.dataset_info(run, workdir)
+  images = predict.read_images(run, info, inputs)
+  model, step = modes.load_model(run, workdir, info, checkpoint)
+  logging.info('Embedding %d images with the checkpoint at step %d.', len(images.files), step)
+  paths, embeddings = [], []
+  shown = predict.Progress(len(images.files), predict.PROGRESS_SECONDS, 'embedded')
+  for batch in images.batches.as_numpy_iterator():
+    paths += [path.decode() for path in batch['path']]
+    embeddings.append(np.asarray(_embeddings(model, run.input.preprocess, batch['image'])))
+    shown.update(len(paths))
+  predict.warn_unread(images, paths)
+  os.makedirs(workdir, exist_ok=True)  # A workdir of init_from's weights, never trained in.
+  path = os.path.join(workdir, EMBEDDINGS_FILE)
+  np.save(path, np.concatenate(embeddings))
+  with open(os.path.join(workdir, FILES_FILE), 'w', newline='', encoding='utf-8') as file:
+    csv.writer(file).writerows([('file',), *((name,) for name in paths)])
+  logging.info('Wrote %d embeddings of %d features to %s (their files: %s).', len(paths),
+               embeddings[0].shape[-1], path, os.path.join(workdir, FILES_FILE))
+  return path
