@@ -50,8 +50,8 @@ def embed(run: run_spec.Run, workdir: str, inputs: str | None,
         'embed with a backbone (resnet18, vit_small_patch16_224, ...).', key='model',
         value=run.model.name)
   info = modes.dataset_info(run, workdir)
+  model, step = modes.load_model(run, workdir, info, checkpoint)  # No checkpoint: said first.
   images = predict.read_images(run, info, inputs)
-  model, step = modes.load_model(run, workdir, info, checkpoint)
   logging.info('Embedding %d images with the checkpoint at step %d.', len(images.files), step)
   paths, embeddings = [], []
   shown = predict.Progress(len(images.files), predict.PROGRESS_SECONDS, 'embedded')

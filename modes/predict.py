@@ -196,8 +196,8 @@ def predict(run: run_spec.Run, workdir: str, inputs: str | None, checkpoint: str
   if tta not in (None, *calibration.TTA_CHOICES):
     raise errors.FlagError(f'--tta={tta!r} is invalid: use one of {calibration.TTA_CHOICES} or '
                            'leave it unset.', flag='tta', value=tta)
+  model, step = modes.load_model(run, workdir, info, checkpoint)  # No checkpoint: said first.
   images = read_images(run, info, inputs)
-  model, step = modes.load_model(run, workdir, info, checkpoint)
   temperature = calibration.saved_temperature(workdir, run.temperature_scaling)
   model = calibration.scored(model, temperature, tta)
   logging.info('Predicting %d images with the checkpoint at step %d (temperature %.4f, '
