@@ -22,6 +22,7 @@ from backbones import hub
 from backbones import weights
 from configs import default
 from core import errors
+from data_sources import generated
 from tests.helpers.build import create_backbone
 from tests.helpers.optional import requires_extras
 from training import run_spec
@@ -309,11 +310,18 @@ def test_predict_downloads_by_name_then_reads_the_cache(served, weights_file, tm
   the local file; with HF_HUB_OFFLINE=1 and the server stopped, the same from the cache; a
   repository the Hub lacks is one line."""
   root, inputs = str(tmp_path / 'shapes'), str(tmp_path / 'shapes' / 'train')
-  subprocess.run([sys.executable, '-m', 'data_sources.generated', '--kind=shapes',
-                  f'--out={root}', '--num_images=8', '--size=40,60'], check=True)
+  generated.make_kind_folder(root, 'shapes', num_images=8, image_sizes=(40, 60), messy=False)
   env = dict(os.environ)
-  local, expected = _predict(root, inputs, weights_file, str(tmp_path / 'local'), env)
-  assert local.returncode == 0, local.stderr[-2000:]
+  # The reference, predict from the local file: main.py --mode=predict's call, in this process
+  # (a main.py start less).
+  from configs import finetune  # pylint: disable=g-import-not-at-top
+  from modes import predict  # pylint: disable=g-import-not-at-top
+  config = finetune.get_config()
+  config.update(dict(dataset=root, model='resnet18', init_from=weights_file))
+  os.makedirs(tmp_path / 'local')
+  with open(predict.predict(run_spec.resolve(config), str(tmp_path / 'local'), inputs),
+            encoding='utf-8') as file:
+    expected = file.read()
   downloaded, rows = _predict(root, inputs, f'hf-hub:{REPO}', str(tmp_path / 'hub'), env)
   assert downloaded.returncode == 0, downloaded.stderr[-2000:]
   assert rows == expected and served.requests[('GET', 'model.safetensors')] == 1
