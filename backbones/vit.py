@@ -17,12 +17,14 @@ import models
 KEY_MAP = (
     (r'cls_token', 'cls_token', 'copy'),
     (r'reg_token', 'reg_token', 'copy'),
+    (r'dist_token', 'dist_token', 'copy'),
     (r'pos_embed', 'pos_embed', 'pos_embed'),
     *weights.conv_rules(r'patch_embed\.proj', 'patch_embed'),
     *weights.norm_rules(r'(blocks\.\d+\.norm\d|norm)', r'\1'),
     *weights.linear_rules(r'(blocks\.\d+\.(?:attn\.qkv|attn\.proj|mlp\.fc\d))', r'\1'),
     (r'(blocks\.\d+\.ls\d\.gamma)', r'\1', 'copy'),
     *weights.linear_rules(r'head', 'head'),
+    *weights.linear_rules(r'head_dist', 'head_dist'),
     # torchvision's keys (its VisionTransformer: vit_b_16 and kin), into the same paths.
     (r'class_token', 'cls_token', 'copy'),
     (r'encoder\.pos_embedding', 'pos_embed', 'pos_embed'),
@@ -99,8 +101,9 @@ class Block(nnx.Module):
 
 class VisionTransformer(nnx.Module):
   """ViT with `patch_size` square patches, `depth` blocks of `features` features and
-  `num_heads` heads, layer scale from `init_values` (none if None) and `reg_tokens` register
-  tokens after the class token (the attributes are timm's arguments).
+  `num_heads` heads, layer scale from `init_values` (none if None), a distillation token after
+  the class token when `distilled` (DeiT's; its own head, the two heads' logits averaged) and
+  `reg_tokens` register tokens after those (the attributes are timm's arguments).
 
   The position embedding has one row per patch of `image_shape` (whose height and width are
   cut into whole patches, a remainder dropped as torch's convolution does), after one per class
@@ -110,6 +113,7 @@ class VisionTransformer(nnx.Module):
   """
   patch_size = 16
   init_values: float | None = None
+  distilled = False
   reg_tokens = 0
   no_embed_class = False
   features: int
@@ -130,10 +134,12 @@ class VisionTransformer(nnx.Module):
                                    stride=self.patch_size, padding=0, use_bias=True,
                                    kernel_init=common.TRUNC_NORMAL, rngs=rngs)
     self.cls_token = nnx.Param(1e-6 * jax.random.normal(rngs.params(), (1, 1, self.features)))
+    if self.distilled:
+      self.dist_token = nnx.Param(1e-6 * jax.random.normal(rngs.params(), (1, 1, self.features)))
     if self.reg_tokens:
       self.reg_token = nnx.Param(
           1e-6 * jax.random.normal(rngs.params(), (1, self.reg_tokens, self.features)))
-    embedded_prefix = 0 if self.no_embed_class else 1 + self.reg_tokens
+    embedded_prefix = 0 if self.no_embed_class else 1 + self.distilled + self.reg_tokens
     # `grid_size` tells the weight import which grid to resample a checkpoint's rows to.
     self.pos_embed = nnx.Param(
         common.TRUNC_NORMAL(rngs.params(),
@@ -146,27 +152,48 @@ class VisionTransformer(nnx.Module):
     self.dropout = layers.dropout(rate=dropout_rate, rngs=rngs)
     self.head = layers.linear(self.features, num_classes, kernel_init=common.TRUNC_NORMAL,
                               rngs=rngs)
+    if self.distilled:
+      self.head_dist = layers.linear(self.features, num_classes,
+                                     kernel_init=common.TRUNC_NORMAL, rngs=rngs)
     self.remat = remat
 
-  def pre_logits(self, x: jax.Array) -> jax.Array:
-    """The pooled features the classifier takes (timm's `forward_head(forward_features(x),
-    pre_logits=True)`): the embedding of `--mode=embed`."""
+  def _encoded(self, x: jax.Array) -> jax.Array:
+    """The normalised tokens after the blocks: the prefix tokens, then the patches."""
     x = self.patch_embed(x)
     x = x.reshape(x.shape[0], -1, x.shape[-1])  # Row-major patches, as torch's flatten(2).
-    # The class token, then the registers (timm's order), one copy per example.
+    # The class token, the distillation token, then the registers (timm's order), one copy per
+    # example.
+    tokens = [self.cls_token, *([self.dist_token] if self.distilled else []),
+              *([self.reg_token] if self.reg_tokens else [])]
     prefix = [jnp.broadcast_to(token[...], (x.shape[0], *token.shape[1:])).astype(x.dtype)
-              for token in [self.cls_token, *([self.reg_token] if self.reg_tokens else [])]]
+              for token in tokens]
     pos_embed = self.pos_embed[...].astype(x.dtype)
     if self.no_embed_class:
       x = jnp.concatenate([*prefix, x + pos_embed], axis=1)
     else:
       x = jnp.concatenate([*prefix, x], axis=1) + pos_embed
-    x = self.norm(common.run_blocks(self.blocks, x, self.remat))
-    # The class token, sliced: see `Attention` for why not `x[:, 0]`.
-    return jax.lax.index_in_dim(x, 0, axis=1, keepdims=False)
+    return self.norm(common.run_blocks(self.blocks, x, self.remat))
+
+  def pre_logits(self, x: jax.Array) -> jax.Array:
+    """The pooled features the classifier takes (timm's `forward_head(forward_features(x),
+    pre_logits=True)`): the embedding of `--mode=embed`. The class token; with distillation,
+    its mean with the distillation token."""
+    x = self._encoded(x)
+    if self.distilled:
+      return (_token(x, 0) + _token(x, 1)) / 2
+    return _token(x, 0)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return common.head(self.pre_logits(x), self.dropout, self.head)
+    if not self.distilled:
+      return common.head(self.pre_logits(x), self.dropout, self.head)
+    x = self._encoded(x)  # Each token through its head, the logits averaged (as timm's eval).
+    return (common.head(_token(x, 0), self.dropout, self.head)
+            + common.head(_token(x, 1), self.dropout, self.head_dist)) / 2
+
+
+def _token(x: jax.Array, index: int) -> jax.Array:
+  """Token `index` of every example, sliced: see `Attention` for why not `x[:, index]`."""
+  return jax.lax.index_in_dim(x, index, axis=1, keepdims=False)
 
 
 # timm's default weights of each: AugReg's ImageNet-21k pre-training fine-tuned on ImageNet-1k
@@ -176,8 +203,8 @@ _AUGREG = dict(crop_pct=0.9, interpolation='bicubic', mean=common.INCEPTION_MEAN
 
 
 # Layers for layer-wise decay and linear probing, as timm's VisionTransformer.group_matcher.
-LAYERS = models.LayerGroups(stem=r'^(cls_token|reg_token|pos_embed|patch_embed)',
-                                blocks=r'^blocks\.(\d+)\.', head=r'head\.')
+LAYERS = models.LayerGroups(stem=r'^(cls_token|dist_token|reg_token|pos_embed|patch_embed)',
+                            blocks=r'^blocks\.(\d+)\.', head=r'head(_dist)?\.')
 
 
 @models.MODELS.register(
@@ -255,3 +282,17 @@ class ViTBaseReg4Dinov2(Dinov2):
   """ViT-B/14 of DINOv2 with 4 registers: 768 features, 12 blocks, 12 heads."""
   features, depth, num_heads = 768, 12, 12
   reg_tokens, no_embed_class = 4, True
+
+
+@models.MODELS.register(
+    'deit_small_distilled_patch16_224', key_map=KEY_MAP, layers=LAYERS,
+    # Touvron et al. 2021: ImageNet-1k alone, distilled from a RegNetY-16GF teacher.
+    pretrained=common.pretrained_cfg('timm/deit_small_distilled_patch16_224.fb_in1k',
+                                     crop_pct=0.9, interpolation='bicubic',
+                                     mean=common.IMAGENET_MEAN, std=common.IMAGENET_STD))
+class DeiTSmallDistilled(VisionTransformer):
+  """DeiT-S/16 with its distillation token (Touvron et al. 2021): ViT-S/16 with a second token
+  and head, whose logits are averaged with the class token's, as timm's at eval and
+  fine-tuning (22.4M parameters with 1,000 classes)."""
+  features, depth, num_heads = 384, 12, 6
+  distilled = True

@@ -1,5 +1,6 @@
 """The ViT families after the original (backbones/vit.py): DINOv2's, with and without registers,
-compute timm's logits from timm's weights, at their size and resampled to another."""
+compute timm's logits from timm's weights, at their size and resampled to another; DeiT's with
+its distillation token, its logits and pooled features."""
 
 from flax import nnx
 import jax
@@ -78,3 +79,30 @@ def test_register_tokens_and_layer_scale_are_in_timms_layer_groups():
   assert numbers['reg_token'] == 0
   assert numbers['blocks.0.ls1.gamma'] == numbers['blocks.0.attn.qkv.kernel'] == 1
   assert numbers['blocks.11.ls2.gamma'] == 12
+
+
+def test_deit_with_its_distillation_token_gives_timms_logits_and_pooled_features(tmp_path):
+  """Both heads averaged, as timm's at eval; the pooled features, the mean of the two tokens."""
+  name, size = 'deit_small_distilled_patch16_224', 64
+  torch_model = timm_helpers.timm_model(name, img_size=size)
+  path = timm_helpers.save_safetensors(torch_model, tmp_path / f'{name}.safetensors')
+  model = create_backbone(name, image_shape=(size, size, 3))
+  loaded, fresh = weights.load_pretrained(model, name, path)
+  assert not fresh and len(loaded) == len(torch_model.state_dict())
+  images = timm_helpers.images(size, size)
+  timm_helpers.assert_same_logits(torch_model, model, images)
+  import torch  # pylint: disable=g-import-not-at-top
+  with torch.no_grad():
+    expected = torch_model.forward_head(torch_model.forward_features(
+        torch.from_numpy(images).permute(0, 3, 1, 2)), pre_logits=True).numpy()
+  np.testing.assert_allclose(np.asarray(model.pre_logits(images)), expected,
+                             atol=1e-4 * np.abs(expected).max())
+
+
+def test_deit_preprocessing_is_timms_default():
+  requires_extras('timm')
+  import timm  # pylint: disable=g-import-not-at-top
+  name = 'deit_small_distilled_patch16_224'
+  declared = models.MODELS.capability(name, 'pretrained')
+  timm_cfg = timm.models.get_pretrained_cfg(name).to_dict()
+  assert declared == {key: timm_cfg[key] for key in declared}

@@ -58,5 +58,13 @@ class SmallDinov2(vit.Dinov2):
   reg_tokens, no_embed_class = 4, True
 
 
-FAMILIES = ('small_convnext_for_test', 'small_dinov2_for_test', 'small_efficientnet_for_test',
+@models.MODELS.register('small_deit_for_test')
+class SmallDeiT(vit.VisionTransformer):
+  # The distillation token and its head.
+  features, depth, num_heads = 24, 2, 2
+  distilled = True
+
+
+FAMILIES = ('small_convnext_for_test', 'small_deit_for_test', 'small_dinov2_for_test',
+            'small_efficientnet_for_test',
             'small_mobilenetv3_for_test', 'small_resnet_for_test', 'small_vit_for_test')

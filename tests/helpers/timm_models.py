@@ -15,7 +15,7 @@ def randomise(torch_model) -> None:
   """Random values where timm's (or torchvision's) initialisation would hide mistakes: BatchNorm
   statistics and BatchNorm's and LayerNorm's affine parameters (otherwise the identity),
   ConvNeXt's and DINOv2's layer scale (otherwise 1e-6 or 1e-5) and the ViT's class token,
-  register tokens and position embedding (otherwise close to zero)."""
+  distillation and register tokens and position embedding (otherwise close to zero)."""
   import torch  # pylint: disable=g-import-not-at-top
   generator = torch.Generator().manual_seed(1)
   with torch.no_grad():
@@ -31,7 +31,8 @@ def randomise(torch_model) -> None:
         module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=generator))
     for name, parameter in torch_model.named_parameters():
       if name.endswith(('gamma', 'layer_scale')) or name in (
-          'cls_token', 'reg_token', 'pos_embed', 'class_token', 'encoder.pos_embedding'):
+          'cls_token', 'reg_token', 'dist_token', 'pos_embed', 'class_token',
+          'encoder.pos_embedding'):
         parameter.copy_(0.5 + torch.rand(parameter.shape, generator=generator))
   torch_model.eval()
 
