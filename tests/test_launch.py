@@ -68,19 +68,23 @@ def test_slurm_script_saves_on_usr1_requeues_and_the_requeued_job_resumes_bit_ex
     tfds_data_dir, tmp_path):
   job_id = random.randrange(10_000, 99_999)
   whole, requeued = tmp_path / 'whole', tmp_path / 'requeued'
-  env, logs = _fake_slurm(tmp_path / 'uninterrupted', job_id)
-  done = subprocess.run(['bash', SCRIPT, *_flags(whole, tfds_data_dir)], env=env, cwd=ROOT,
-                        capture_output=True, text=True, timeout=900)
-  assert done.returncode == 0, (logs / 'task0.log').read_text()[-3000:]
-
+  # The uninterrupted job runs at the same time as the one that is preempted.
+  whole_env, whole_logs = _fake_slurm(tmp_path / 'uninterrupted', job_id)
+  done = subprocess.Popen(['bash', SCRIPT, *_flags(whole, tfds_data_dir)], env=whole_env,
+                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   env, logs = _fake_slurm(tmp_path / 'preempted', job_id + 1)
   job = subprocess.Popen(['bash', SCRIPT, *_flags(requeued, tfds_data_dir)], env=env, cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  deadline = time.time() + 600
-  while 6 not in summaries.read_metrics(str(requeued)) and time.time() < deadline:
-    time.sleep(0.2)
-  os.kill(int((logs / 'task1.pid').read_text()), 10)  # SIGUSR1 to one task, as SLURM warns.
-  out, _ = job.communicate(timeout=600)
+  try:
+    deadline = time.time() + 600
+    while 6 not in summaries.read_metrics(str(requeued)) and time.time() < deadline:
+      time.sleep(0.2)
+    os.kill(int((logs / 'task1.pid').read_text()), 10)  # SIGUSR1 to one task, as SLURM warns.
+    out, _ = job.communicate(timeout=600)
+    assert done.wait(timeout=600) == 0, (whole_logs / 'task0.log').read_text()[-3000:]
+  finally:
+    for each in (done, job):
+      each.kill()
   (logs / 'job.log').write_text(out)  # The job's own lines (slurm-%x-%j.out), kept for reading.
   assert job.returncode == 0, out + (logs / 'task0.log').read_text()[-3000:]
   assert f'requeueing job {job_id + 1}' in out
