@@ -19,6 +19,9 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 INCEPTION_MEAN = (0.5, 0.5, 0.5)
 INCEPTION_STD = (0.5, 0.5, 0.5)
+# OpenAI CLIP's image statistics (timm's `OPENAI_CLIP_MEAN/STD`).
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 # He et al.'s initialisation for convolutions followed by ReLU (torch's kaiming_normal_ fan_out).
 HE_NORMAL = nnx.initializers.variance_scaling(2.0, 'fan_out', 'normal')
 # timm's trunc_normal_(std=0.02) for transformer and ConvNeXt weights.

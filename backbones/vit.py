@@ -20,7 +20,7 @@ KEY_MAP = (
     (r'dist_token', 'dist_token', 'copy'),
     (r'pos_embed', 'pos_embed', 'pos_embed'),
     *weights.conv_rules(r'patch_embed\.proj', 'patch_embed'),
-    *weights.norm_rules(r'(blocks\.\d+\.norm\d|norm)', r'\1'),
+    *weights.norm_rules(r'(blocks\.\d+\.norm\d|norm|norm_pre)', r'\1'),
     *weights.linear_rules(r'(blocks\.\d+\.(?:attn\.qkv|attn\.proj|mlp\.fc\d))', r'\1'),
     (r'(blocks\.\d+\.ls\d\.gamma)', r'\1', 'copy'),
     *weights.linear_rules(r'head', 'head'),
@@ -103,7 +103,9 @@ class VisionTransformer(nnx.Module):
   """ViT with `patch_size` square patches, `depth` blocks of `features` features and
   `num_heads` heads, layer scale from `init_values` (none if None), a distillation token after
   the class token when `distilled` (DeiT's; its own head, the two heads' logits averaged) and
-  `reg_tokens` register tokens after those (the attributes are timm's arguments).
+  `reg_tokens` register tokens after those, a LayerNorm before the blocks when `pre_norm`
+  (CLIP's) and a bias in the patch embedding unless not `patch_bias` (the attributes are timm's
+  arguments).
 
   The position embedding has one row per patch of `image_shape` (whose height and width are
   cut into whole patches, a remainder dropped as torch's convolution does), after one per class
@@ -116,6 +118,8 @@ class VisionTransformer(nnx.Module):
   distilled = False
   reg_tokens = 0
   no_embed_class = False
+  pre_norm = False
+  patch_bias = True
   features: int
   depth: int
   num_heads: int
@@ -131,8 +135,9 @@ class VisionTransformer(nnx.Module):
       raise ValueError(f'images of {height}x{width} are smaller than one {self.patch_size}x'
                        f'{self.patch_size} patch')
     self.patch_embed = common.conv(layers, channels, self.features, self.patch_size,
-                                   stride=self.patch_size, padding=0, use_bias=True,
-                                   kernel_init=common.TRUNC_NORMAL, rngs=rngs)
+                                   stride=self.patch_size, padding=0,
+                                   use_bias=self.patch_bias, kernel_init=common.TRUNC_NORMAL,
+                                   rngs=rngs)
     self.cls_token = nnx.Param(1e-6 * jax.random.normal(rngs.params(), (1, 1, self.features)))
     if self.distilled:
       self.dist_token = nnx.Param(1e-6 * jax.random.normal(rngs.params(), (1, 1, self.features)))
@@ -145,6 +150,8 @@ class VisionTransformer(nnx.Module):
         common.TRUNC_NORMAL(rngs.params(),
                             (1, embedded_prefix + grid_size[0] * grid_size[1], self.features)),
         grid_size=grid_size)
+    if self.pre_norm:
+      self.norm_pre = common.layer_norm(self.features, rngs=rngs)
     self.blocks = nnx.List([
         Block(self.features, self.num_heads, rate, self.init_values, layers=layers, rngs=rngs)
         for rate in rates])
@@ -172,6 +179,8 @@ class VisionTransformer(nnx.Module):
       x = jnp.concatenate([*prefix, x + pos_embed], axis=1)
     else:
       x = jnp.concatenate([*prefix, x], axis=1) + pos_embed
+    if self.pre_norm:
+      x = self.norm_pre(x)
     return self.norm(common.run_blocks(self.blocks, x, self.remat))
 
   def pre_logits(self, x: jax.Array) -> jax.Array:
@@ -203,8 +212,9 @@ _AUGREG = dict(crop_pct=0.9, interpolation='bicubic', mean=common.INCEPTION_MEAN
 
 
 # Layers for layer-wise decay and linear probing, as timm's VisionTransformer.group_matcher.
-LAYERS = models.LayerGroups(stem=r'^(cls_token|dist_token|reg_token|pos_embed|patch_embed)',
-                            blocks=r'^blocks\.(\d+)\.', head=r'head(_dist)?\.')
+LAYERS = models.LayerGroups(
+    stem=r'^(cls_token|dist_token|reg_token|pos_embed|patch_embed|norm_pre)',
+    blocks=r'^blocks\.(\d+)\.', head=r'head(_dist)?\.')
 
 
 @models.MODELS.register(
@@ -296,3 +306,18 @@ class DeiTSmallDistilled(VisionTransformer):
   fine-tuning (22.4M parameters with 1,000 classes)."""
   features, depth, num_heads = 384, 12, 6
   distilled = True
+
+
+@models.MODELS.register(
+    'vit_base_patch16_clip_224', key_map=KEY_MAP, layers=LAYERS,
+    # LAION-2B CLIP's image tower (Cherti et al. 2023), fine-tuned on ImageNet-12k then 1k.
+    pretrained=common.pretrained_cfg('timm/vit_base_patch16_clip_224.laion2b_ft_in12k_in1k',
+                                     crop_pct=0.95, interpolation='bicubic',
+                                     mean=common.CLIP_MEAN, std=common.CLIP_STD))
+class ViTBaseClip(VisionTransformer):
+  """CLIP's ViT-B/16 image tower (Radford et al. 2021) in timm's layout: ViT-B/16 with a
+  LayerNorm before the blocks and no bias in the patch embedding (86.6M parameters with 1,000
+  classes). OpenAI's own weights use QuickGELU (timm's `vit_base_patch16_clip_quickgelu_224`),
+  which this model does not have: load weights trained with GELU, as its default ones are."""
+  features, depth, num_heads = 768, 12, 12
+  pre_norm, patch_bias = True, False

@@ -1,6 +1,7 @@
 """The ViT families after the original (backbones/vit.py): DINOv2's, with and without registers,
 compute timm's logits from timm's weights, at their size and resampled to another; DeiT's with
-its distillation token, its logits and pooled features."""
+its distillation token, its logits and pooled features; CLIP's image tower (a LayerNorm before
+the blocks, no patch bias)."""
 
 from flax import nnx
 import jax
@@ -58,7 +59,8 @@ def test_resample_pos_embed_without_prefix_rows_matches_timm(grid):
                              atol=1e-5)
 
 
-@pytest.mark.parametrize('name', DINOV2)
+@pytest.mark.parametrize('name', [*DINOV2, 'deit_small_distilled_patch16_224',
+                                  'vit_base_patch16_clip_224'])
 def test_pretrained_cfg_is_timms_default(name):
   requires_extras('timm')
   import timm  # pylint: disable=g-import-not-at-top
@@ -81,6 +83,20 @@ def test_register_tokens_and_layer_scale_are_in_timms_layer_groups():
   assert numbers['blocks.11.ls2.gamma'] == 12
 
 
+@pytest.mark.parametrize('name,stem', [('deit_small_distilled_patch16_224', 'dist_token'),
+                                       ('vit_base_patch16_clip_224', 'norm_pre.scale')])
+def test_distillation_token_and_pre_norm_are_in_timms_layer_groups(name, stem):
+  """As timm's group_matcher: the distillation token and the LayerNorm before the blocks with
+  the stem (layer 0), the distillation head with the head."""
+  factory = models.MODELS.entry(name).factory
+  model = nnx.eval_shape(lambda: factory((32, 32, 3), 7, layers=kernels.STOCK_LAYERS,
+                                         rngs=nnx.Rngs(0)))
+  numbers, last = models.layer_numbers([name for name, _ in weights.model_variables(model)],
+                                       models.MODELS.capability(name, 'layers'))
+  assert numbers[stem] == 0
+  assert numbers.get('head_dist.kernel', last) == numbers['head.kernel'] == last
+
+
 def test_deit_with_its_distillation_token_gives_timms_logits_and_pooled_features(tmp_path):
   """Both heads averaged, as timm's at eval; the pooled features, the mean of the two tokens."""
   name, size = 'deit_small_distilled_patch16_224', 64
@@ -99,10 +115,13 @@ def test_deit_with_its_distillation_token_gives_timms_logits_and_pooled_features
                              atol=1e-4 * np.abs(expected).max())
 
 
-def test_deit_preprocessing_is_timms_default():
-  requires_extras('timm')
-  import timm  # pylint: disable=g-import-not-at-top
-  name = 'deit_small_distilled_patch16_224'
-  declared = models.MODELS.capability(name, 'pretrained')
-  timm_cfg = timm.models.get_pretrained_cfg(name).to_dict()
-  assert declared == {key: timm_cfg[key] for key in declared}
+def test_clip_image_tower_gives_timms_logits(tmp_path):
+  name, size = 'vit_base_patch16_clip_224', 32
+  torch_model = timm_helpers.timm_model(name, img_size=size)
+  path = timm_helpers.save_safetensors(torch_model, tmp_path / f'{name}.safetensors')
+  model = create_backbone(name, image_shape=(size, size, 3))
+  loaded, fresh = weights.load_pretrained(model, name, path)
+  assert not fresh and len(loaded) == len(torch_model.state_dict())
+  assert sum(np.size(leaf) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))) == sum(
+      parameter.numel() for parameter in torch_model.parameters())
+  timm_helpers.assert_same_logits(torch_model, model, timm_helpers.images(size, size))
