@@ -18,6 +18,9 @@ KEY_MAP = (
     (r'cls_token', 'cls_token', 'copy'),
     (r'reg_token', 'reg_token', 'copy'),
     (r'dist_token', 'dist_token', 'copy'),
+    (r'attn_pool\.latent', 'attn_pool.latent', 'copy'),
+    *weights.linear_rules(r'(attn_pool\.(?:q|kv|proj|mlp\.fc\d))', r'\1'),
+    *weights.norm_rules(r'attn_pool\.norm', 'attn_pool.norm'),
     (r'pos_embed', 'pos_embed', 'pos_embed'),
     *weights.conv_rules(r'patch_embed\.proj', 'patch_embed'),
     *weights.norm_rules(r'(blocks\.\d+\.norm\d|norm|norm_pre)', r'\1'),
@@ -66,6 +69,33 @@ class Attention(nnx.Module):
     return self.proj(x.reshape(batch, tokens, features))
 
 
+class AttentionPool(nnx.Module):
+  """timm's AttentionPoolLatent (SigLIP's 'map' head, Zhai et al. 2023): a learned query attends
+  over the tokens (multi-head, keys and values from one projection), then a residual MLP; its
+  one output token is the pooled features."""
+
+  def __init__(self, features: int, num_heads: int, *, layers: kernels.Layers, rngs: nnx.Rngs):
+    self.num_heads = num_heads
+    self.attend = layers.attention
+    self.latent = nnx.Param(1e-6 * jax.random.normal(rngs.params(), (1, 1, features)))
+    self.q = layers.linear(features, features, kernel_init=common.TRUNC_NORMAL, rngs=rngs)
+    self.kv = layers.linear(features, 2 * features, kernel_init=common.TRUNC_NORMAL, rngs=rngs)
+    self.proj = layers.linear(features, features, kernel_init=common.TRUNC_NORMAL, rngs=rngs)
+    self.norm = common.layer_norm(features, rngs=rngs)
+    self.mlp = common.Mlp(features, 4 * features, layers=layers, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    batch, tokens, features = x.shape
+    heads = (self.num_heads, features // self.num_heads)
+    latent = jnp.broadcast_to(self.latent[...], (batch, 1, features)).astype(x.dtype)
+    query = self.q(latent).reshape(batch, 1, *heads)
+    kv = self.kv(x).reshape(batch, tokens, 2, *heads)
+    key, value = (jax.lax.index_in_dim(kv, part, axis=2, keepdims=False) for part in range(2))
+    x = self.proj(self.attend(query, key, value).reshape(batch, 1, features))
+    x = x + self.mlp(self.norm(x))
+    return _token(x, 0)
+
+
 class LayerScale(nnx.Module):
   """timm's LayerScale (Touvron et al. 2021): a learned scale per feature of a residual branch,
   starting at `init_values` so that each block starts close to the identity."""
@@ -104,8 +134,9 @@ class VisionTransformer(nnx.Module):
   `num_heads` heads, layer scale from `init_values` (none if None), a distillation token after
   the class token when `distilled` (DeiT's; its own head, the two heads' logits averaged) and
   `reg_tokens` register tokens after those, a LayerNorm before the blocks when `pre_norm`
-  (CLIP's) and a bias in the patch embedding unless not `patch_bias` (the attributes are timm's
-  arguments).
+  (CLIP's), a bias in the patch embedding unless not `patch_bias`, no class token unless
+  `class_token`, and the features pooled by the class token, or by attention from a learned
+  query when `global_pool` is 'map' (SigLIP's) (the attributes are timm's arguments).
 
   The position embedding has one row per patch of `image_shape` (whose height and width are
   cut into whole patches, a remainder dropped as torch's convolution does), after one per class
@@ -120,6 +151,8 @@ class VisionTransformer(nnx.Module):
   no_embed_class = False
   pre_norm = False
   patch_bias = True
+  class_token = True
+  global_pool = 'token'
   features: int
   depth: int
   num_heads: int
@@ -138,13 +171,16 @@ class VisionTransformer(nnx.Module):
                                    stride=self.patch_size, padding=0,
                                    use_bias=self.patch_bias, kernel_init=common.TRUNC_NORMAL,
                                    rngs=rngs)
-    self.cls_token = nnx.Param(1e-6 * jax.random.normal(rngs.params(), (1, 1, self.features)))
+    if self.class_token:
+      self.cls_token = nnx.Param(
+          1e-6 * jax.random.normal(rngs.params(), (1, 1, self.features)))
     if self.distilled:
       self.dist_token = nnx.Param(1e-6 * jax.random.normal(rngs.params(), (1, 1, self.features)))
     if self.reg_tokens:
       self.reg_token = nnx.Param(
           1e-6 * jax.random.normal(rngs.params(), (1, self.reg_tokens, self.features)))
-    embedded_prefix = 0 if self.no_embed_class else 1 + self.distilled + self.reg_tokens
+    embedded_prefix = (0 if self.no_embed_class
+                       else self.class_token + self.distilled + self.reg_tokens)
     # `grid_size` tells the weight import which grid to resample a checkpoint's rows to.
     self.pos_embed = nnx.Param(
         common.TRUNC_NORMAL(rngs.params(),
@@ -156,6 +192,8 @@ class VisionTransformer(nnx.Module):
         Block(self.features, self.num_heads, rate, self.init_values, layers=layers, rngs=rngs)
         for rate in rates])
     self.norm = common.layer_norm(self.features, rngs=rngs)
+    if self.global_pool == 'map':
+      self.attn_pool = AttentionPool(self.features, self.num_heads, layers=layers, rngs=rngs)
     self.dropout = layers.dropout(rate=dropout_rate, rngs=rngs)
     self.head = layers.linear(self.features, num_classes, kernel_init=common.TRUNC_NORMAL,
                               rngs=rngs)
@@ -170,7 +208,8 @@ class VisionTransformer(nnx.Module):
     x = x.reshape(x.shape[0], -1, x.shape[-1])  # Row-major patches, as torch's flatten(2).
     # The class token, the distillation token, then the registers (timm's order), one copy per
     # example.
-    tokens = [self.cls_token, *([self.dist_token] if self.distilled else []),
+    tokens = [*([self.cls_token] if self.class_token else []),
+              *([self.dist_token] if self.distilled else []),
               *([self.reg_token] if self.reg_tokens else [])]
     prefix = [jnp.broadcast_to(token[...], (x.shape[0], *token.shape[1:])).astype(x.dtype)
               for token in tokens]
@@ -186,8 +225,10 @@ class VisionTransformer(nnx.Module):
   def pre_logits(self, x: jax.Array) -> jax.Array:
     """The pooled features the classifier takes (timm's `forward_head(forward_features(x),
     pre_logits=True)`): the embedding of `--mode=embed`. The class token; with distillation,
-    its mean with the distillation token."""
+    its mean with the distillation token; or the attention pool's output."""
     x = self._encoded(x)
+    if self.global_pool == 'map':
+      return self.attn_pool(x)
     if self.distilled:
       return (_token(x, 0) + _token(x, 1)) / 2
     return _token(x, 0)
@@ -321,3 +362,18 @@ class ViTBaseClip(VisionTransformer):
   which this model does not have: load weights trained with GELU, as its default ones are."""
   features, depth, num_heads = 768, 12, 12
   pre_norm, patch_bias = True, False
+
+
+@models.MODELS.register(
+    'vit_base_patch16_siglip_224', key_map=KEY_MAP, layers=LAYERS,
+    # SigLIP 2's image tower (Tschannen et al. 2025) on WebLI, without a classifier.
+    pretrained=common.pretrained_cfg('timm/vit_base_patch16_siglip_224.v2_webli', crop_pct=0.9,
+                                     interpolation='bicubic', mean=common.INCEPTION_MEAN,
+                                     std=common.INCEPTION_STD))
+class ViTBaseSiglip(VisionTransformer):
+  """SigLIP's ViT-B/16 image tower (Zhai et al. 2023) in timm's layout: no class token, the
+  features pooled by attention from a learned query (timm's 'map' head) (86.6M parameters and
+  the pool's 7.1M without a head). timm's weights have no classifier: the head is new, for the
+  dataset's classes."""
+  features, depth, num_heads = 768, 12, 12
+  class_token, global_pool = False, 'map'

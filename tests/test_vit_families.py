@@ -1,7 +1,7 @@
 """The ViT families after the original (backbones/vit.py): DINOv2's, with and without registers,
 compute timm's logits from timm's weights, at their size and resampled to another; DeiT's with
 its distillation token, its logits and pooled features; CLIP's image tower (a LayerNorm before
-the blocks, no patch bias)."""
+the blocks, no patch bias); SigLIP's (no class token, an attention-pool head)."""
 
 from flax import nnx
 import jax
@@ -60,7 +60,7 @@ def test_resample_pos_embed_without_prefix_rows_matches_timm(grid):
 
 
 @pytest.mark.parametrize('name', [*DINOV2, 'deit_small_distilled_patch16_224',
-                                  'vit_base_patch16_clip_224'])
+                                  'vit_base_patch16_clip_224', 'vit_base_patch16_siglip_224'])
 def test_pretrained_cfg_is_timms_default(name):
   requires_extras('timm')
   import timm  # pylint: disable=g-import-not-at-top
@@ -115,8 +115,9 @@ def test_deit_with_its_distillation_token_gives_timms_logits_and_pooled_features
                              atol=1e-4 * np.abs(expected).max())
 
 
-def test_clip_image_tower_gives_timms_logits(tmp_path):
-  name, size = 'vit_base_patch16_clip_224', 32
+@pytest.mark.parametrize('name', ['vit_base_patch16_clip_224', 'vit_base_patch16_siglip_224'])
+def test_image_towers_give_timms_logits_and_pooled_features(name, tmp_path):
+  size = 32
   torch_model = timm_helpers.timm_model(name, img_size=size)
   path = timm_helpers.save_safetensors(torch_model, tmp_path / f'{name}.safetensors')
   model = create_backbone(name, image_shape=(size, size, 3))
@@ -124,4 +125,11 @@ def test_clip_image_tower_gives_timms_logits(tmp_path):
   assert not fresh and len(loaded) == len(torch_model.state_dict())
   assert sum(np.size(leaf) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))) == sum(
       parameter.numel() for parameter in torch_model.parameters())
-  timm_helpers.assert_same_logits(torch_model, model, timm_helpers.images(size, size))
+  images = timm_helpers.images(size, size)
+  timm_helpers.assert_same_logits(torch_model, model, images)
+  import torch  # pylint: disable=g-import-not-at-top
+  with torch.no_grad():
+    expected = torch_model.forward_head(torch_model.forward_features(
+        torch.from_numpy(images).permute(0, 3, 1, 2)), pre_logits=True).numpy()
+  np.testing.assert_allclose(np.asarray(model.pre_logits(images)), expected,
+                             atol=1e-4 * np.abs(expected).max())

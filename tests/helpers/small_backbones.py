@@ -65,6 +65,13 @@ class SmallDeiT(vit.VisionTransformer):
   distilled = True
 
 
+@models.MODELS.register('small_siglip_for_test')
+class SmallSiglip(vit.VisionTransformer):
+  # No class token; the attention pool's cross-attention.
+  features, depth, num_heads = 24, 2, 2
+  class_token, global_pool = False, 'map'
+
+
 FAMILIES = ('small_convnext_for_test', 'small_deit_for_test', 'small_dinov2_for_test',
-            'small_efficientnet_for_test',
-            'small_mobilenetv3_for_test', 'small_resnet_for_test', 'small_vit_for_test')
+            'small_efficientnet_for_test', 'small_mobilenetv3_for_test', 'small_resnet_for_test',
+            'small_siglip_for_test', 'small_vit_for_test')
