@@ -100,7 +100,7 @@ def load_pretrained(model: nnx.Module, model_name: str, path: str,
   backbone registered as `model_name`, but the variables matching a regex of `exclude`.
 
   Arrays whose shape differs from the model's (a head for another number of classes) are left
-  as initialised. Returns the names of the variables loaded and of the others, each with the
+  as initialised, and so is the head of weights that have none (timm's `num_classes=0`). Returns the names of the variables loaded and of the others, each with the
   reason. A `ConfigError` (key 'init_from') for a file that is missing, unreadable, holds
   pickled code, or does not fit the architecture; a `DownloadError` (a `ConfigError`) for Hub
   weights that cannot be had (`hub.download`); a `MissingPackage` for a missing reader.
@@ -114,8 +114,13 @@ def load_pretrained(model: nnx.Module, model_name: str, path: str,
   state_dict = read_state_dict(path)
   variables = dict(model_variables(model))
   converted, unexpected = _convert(state_dict, key_map, variables)
+  # Headless weights (timm's num_classes=0: DINOv2's, SigLIP's) leave the model's whole head
+  # as initialised: a new head, for the dataset's classes.
+  layers = models.MODELS.capability(model_name, 'layers')
+  headless = layers is not None and not any(re.search(layers.head, name) for name in converted)
   missing = [name for name in variables if name not in converted
-             and not any(re.search(pattern, name) for pattern in exclude)]
+             and not any(re.search(pattern, name) for pattern in exclude)
+             and not (headless and re.search(layers.head, name))]
   if missing or unexpected:
     raise errors.ConfigError(
         f'config.init_from={path!r} does not hold the weights of a {model_name!r}: '

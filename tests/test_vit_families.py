@@ -133,3 +133,20 @@ def test_image_towers_give_timms_logits_and_pooled_features(name, tmp_path):
         torch.from_numpy(images).permute(0, 3, 1, 2)), pre_logits=True).numpy()
   np.testing.assert_allclose(np.asarray(model.pre_logits(images)), expected,
                              atol=1e-4 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize('name,size', [('vit_small_patch14_dinov2', 28),
+                                       ('vit_base_patch16_siglip_224', 32)])
+def test_headless_weights_load_as_a_backbone_with_a_new_head(name, size, tmp_path):
+  """timm's DINOv2 and SigLIP weights have no classifier (num_classes=0): every other array
+  loads, the head stays as initialised and is reported so, with no init_exclude needed."""
+  requires_extras('timm', 'torch', 'safetensors')
+  import timm  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  torch_model = timm.create_model(name, pretrained=False, num_classes=0, img_size=size)
+  path = timm_helpers.save_safetensors(torch_model, tmp_path / f'{name}.safetensors')
+  model = create_backbone(name, image_shape=(size, size, 3))
+  loaded, fresh = weights.load_pretrained(model, name, path)
+  assert len(loaded) == len(torch_model.state_dict())
+  assert sorted(fresh) == [f'head.bias (not in {path})', f'head.kernel (not in {path})']
