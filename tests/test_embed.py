@@ -21,15 +21,6 @@ from tests.helpers.build import create_backbone
 from tests.helpers.optional import requires_extras
 
 
-def _timm_features(torch_model, images: np.ndarray) -> np.ndarray:
-  """timm's pooled features of NHWC float `images`."""
-  import torch  # pylint: disable=g-import-not-at-top
-  with torch.no_grad():
-    inputs = torch.from_numpy(images).permute(0, 3, 1, 2)
-    return torch_model.forward_head(torch_model.forward_features(inputs),
-                                    pre_logits=True).numpy()
-
-
 @pytest.mark.parametrize('name,options', [
     ('resnet18', {}), ('vit_tiny_patch16_224', {'img_size': 64}),
     *(pytest.param(name, {}, marks=pytest.mark.slow)  # 20-30 s each on 2 cores.
@@ -39,12 +30,7 @@ def test_pooled_features_are_timms(name, options, tmp_path):
   path = timm_models.save_safetensors(torch_model, tmp_path / 'weights.safetensors')
   model = create_backbone(name, image_shape=(64, 64, 3), num_classes=timm_models.NUM_CLASSES)
   weights.load_pretrained(model, name, path)
-  model.eval()
-  images = timm_models.images(64, 64)
-  expected = _timm_features(torch_model, images)
-  features = np.asarray(model.pre_logits(images))
-  assert features.shape == expected.shape
-  np.testing.assert_allclose(features, expected, atol=1e-4 * max(1.0, np.abs(expected).max()))
+  timm_models.assert_same_pooled_features(torch_model, model, timm_models.images(64, 64))
 
 
 def _config(root: str, weights_file: str, model: str = 'resnet18'):
@@ -81,7 +67,7 @@ def test_embed_writes_every_images_features_in_the_order_of_its_csv(tmp_path):
   images = predict.read_images(run, modes.dataset_info(run, workdir), inputs)
   read = {path.decode(): image for batch in images.batches.as_numpy_iterator()
           for path, image in zip(batch['path'], batch['image'])}
-  expected = _timm_features(torch_model, np.stack(
+  expected = timm_models.pooled_features(torch_model, np.stack(
       [read[row[0]] for row in rows[1:]]).astype(np.float32) / 255)
   np.testing.assert_allclose(embeddings, expected, atol=1e-4 * np.abs(expected).max())
 

@@ -97,27 +97,12 @@ def test_distillation_token_and_pre_norm_are_in_timms_layer_groups(name, stem):
   assert numbers.get('head_dist.kernel', last) == numbers['head.kernel'] == last
 
 
-def test_deit_with_its_distillation_token_gives_timms_logits_and_pooled_features(tmp_path):
-  """Both heads averaged, as timm's at eval; the pooled features, the mean of the two tokens."""
-  name, size = 'deit_small_distilled_patch16_224', 64
-  torch_model = timm_helpers.timm_model(name, img_size=size)
-  path = timm_helpers.save_safetensors(torch_model, tmp_path / f'{name}.safetensors')
-  model = create_backbone(name, image_shape=(size, size, 3))
-  loaded, fresh = weights.load_pretrained(model, name, path)
-  assert not fresh and len(loaded) == len(torch_model.state_dict())
-  images = timm_helpers.images(size, size)
-  timm_helpers.assert_same_logits(torch_model, model, images)
-  import torch  # pylint: disable=g-import-not-at-top
-  with torch.no_grad():
-    expected = torch_model.forward_head(torch_model.forward_features(
-        torch.from_numpy(images).permute(0, 3, 1, 2)), pre_logits=True).numpy()
-  np.testing.assert_allclose(np.asarray(model.pre_logits(images)), expected,
-                             atol=1e-4 * np.abs(expected).max())
-
-
-@pytest.mark.parametrize('name', ['vit_base_patch16_clip_224', 'vit_base_patch16_siglip_224'])
-def test_image_towers_give_timms_logits_and_pooled_features(name, tmp_path):
-  size = 32
+@pytest.mark.parametrize('name,size', [('deit_small_distilled_patch16_224', 64),
+                                       ('vit_base_patch16_clip_224', 32),
+                                       ('vit_base_patch16_siglip_224', 32)])
+def test_same_logits_pooled_features_and_parameters_as_timm(name, size, tmp_path):
+  """DeiT's two heads averaged, as timm's at eval, its pooled features the two tokens' mean;
+  CLIP's and SigLIP's image towers."""
   torch_model = timm_helpers.timm_model(name, img_size=size)
   path = timm_helpers.save_safetensors(torch_model, tmp_path / f'{name}.safetensors')
   model = create_backbone(name, image_shape=(size, size, 3))
@@ -127,13 +112,7 @@ def test_image_towers_give_timms_logits_and_pooled_features(name, tmp_path):
       parameter.numel() for parameter in torch_model.parameters())
   images = timm_helpers.images(size, size)
   timm_helpers.assert_same_logits(torch_model, model, images)
-  import torch  # pylint: disable=g-import-not-at-top
-  with torch.no_grad():
-    expected = torch_model.forward_head(torch_model.forward_features(
-        torch.from_numpy(images).permute(0, 3, 1, 2)), pre_logits=True).numpy()
-  np.testing.assert_allclose(np.asarray(model.pre_logits(images)), expected,
-                             atol=1e-4 * np.abs(expected).max())
-
+  timm_helpers.assert_same_pooled_features(torch_model, model, images)
 
 @pytest.mark.parametrize('name,size', [('vit_small_patch14_dinov2', 28),
                                        ('vit_base_patch16_siglip_224', 32)])

@@ -72,6 +72,25 @@ def assert_same_logits(torch_model, model: nnx.Module, images: np.ndarray) -> fl
   return difference
 
 
+def pooled_features(torch_model, images: np.ndarray) -> np.ndarray:
+  """timm's pooled features of NHWC float `images`: `forward_head(forward_features(x),
+  pre_logits=True)`."""
+  import torch  # pylint: disable=g-import-not-at-top
+  with torch.no_grad():
+    inputs = torch.from_numpy(images).permute(0, 3, 1, 2)
+    return torch_model.forward_head(torch_model.forward_features(inputs),
+                                    pre_logits=True).numpy()
+
+
+def assert_same_pooled_features(torch_model, model: nnx.Module, images: np.ndarray) -> None:
+  """Our `model.pre_logits` equals timm's pooled features within 1e-4 of their largest."""
+  expected = pooled_features(torch_model, images)
+  model.eval()
+  features = np.asarray(nnx.jit(lambda model, images: model.pre_logits(images))(model, images))
+  assert features.shape == expected.shape
+  np.testing.assert_allclose(features, expected, atol=1e-4 * max(1.0, np.abs(expected).max()))
+
+
 def assert_resampled_as_timm(name: str, image_size: tuple[int, int], directory) -> None:
   """timm's weights of ViT `name` at its own size, imported into our `name` at `image_size`,
   give the logits of timm's model at that size with the weights resampled by timm's
