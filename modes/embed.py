@@ -53,13 +53,11 @@ def embed(run: run_spec.Run, workdir: str, inputs: str | None,
   model, step = modes.load_model(run, workdir, info, checkpoint)  # No checkpoint: said first.
   images = predict.read_images(run, info, inputs)
   logging.info('Embedding %d images with the checkpoint at step %d.', len(images.files), step)
-  paths, embeddings = [], []
-  shown = predict.Progress(len(images.files), predict.PROGRESS_SECONDS, 'embedded')
-  for batch in images.batches.as_numpy_iterator():
-    paths += [path.decode() for path in batch['path']]
-    embeddings.append(np.asarray(_embeddings(model, run.input.preprocess, batch['image'])))
-    shown.update(len(paths))
-  predict.warn_unread(images, paths)
+  paths, embeddings = predict.compute(
+      images, lambda batch: _embeddings(model, run.input.preprocess, batch), 'embedded')
+  if not paths:  # Every file passed the header check but failed to decode.
+    raise errors.FlagError(f'No image under --inputs={inputs!r} decodes: pass readable images.',
+                           flag='inputs', value=inputs)
   os.makedirs(workdir, exist_ok=True)  # A workdir of init_from's weights, never trained in.
   path = os.path.join(workdir, EMBEDDINGS_FILE)
   np.save(path, np.concatenate(embeddings))

@@ -27,6 +27,7 @@ import functools
 import glob
 import os
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 from absl import logging
@@ -99,7 +100,7 @@ def _probabilities(model: nnx.Module, preprocess: preprocessing.Preprocessing,
   return jax.nn.softmax(model(preprocess.scale(images)).astype(jax.numpy.float32))
 
 
-class Progress:
+class _Progress:
   """A line every `every_seconds` while going through images: images done (`verb`: 'predicted'),
   images/s and an ETA, from the batches finished since the first (which includes the
   compilation)."""
@@ -166,7 +167,7 @@ def read_images(run: run_spec.Run, info: base.DatasetInfo, inputs: str) -> Image
     return {'path': path, 'image': tf.ensure_shape(image, info.image_shape)}
 
   # A file that passes the header check but fails to decode is dropped, not fatal: the paths
-  # that come out say which (`warn_unread`).
+  # that come out say which (`_warn_unread`).
   batches = (tf.data.Dataset.from_tensor_slices((
       [header.path for header in headers], [header.orientation for header in headers],
       [header.alpha for header in headers]))
@@ -177,10 +178,24 @@ def read_images(run: run_spec.Run, info: base.DatasetInfo, inputs: str) -> Image
   return Images(batches, [header.path for header in headers], skipped)
 
 
-def warn_unread(images: Images, paths: list[str]) -> None:
+def _warn_unread(images: Images, paths: list[str]) -> None:
   """One warning for the files of `images` that are not among the `paths` read."""
   read = set(paths)
   image_files.warn_skipped(images.skipped + [path for path in images.files if path not in read])
+
+
+def compute(images: Images, batch_fn: Callable[[np.ndarray], jax.Array],
+            verb: str) -> tuple[list[str], list[np.ndarray]]:
+  """`batch_fn` of each batch of `images`, with a progress line (`verb`: 'predicted') and one
+  warning for the files that did not decode: (the paths read, in order; the outputs by batch)."""
+  paths, outputs = [], []
+  shown = _Progress(len(images.files), PROGRESS_SECONDS, verb)
+  for batch in images.batches.as_numpy_iterator():
+    paths += [path.decode() for path in batch['path']]
+    outputs.append(np.asarray(batch_fn(batch['image'])))
+    shown.update(len(paths))
+  _warn_unread(images, paths)
+  return paths, outputs
 
 
 def predict(run: run_spec.Run, workdir: str, inputs: str | None, checkpoint: str = 'latest',
@@ -203,14 +218,8 @@ def predict(run: run_spec.Run, workdir: str, inputs: str | None, checkpoint: str
   logging.info('Predicting %d images with the checkpoint at step %d (temperature %.4f, '
                'test-time augmentation %s).', len(images.files), step, temperature,
                tta or 'none')
-  preprocess = run.input.preprocess
-  paths, probabilities = [], []
-  shown = Progress(len(images.files), PROGRESS_SECONDS, 'predicted')
-  for batch in images.batches.as_numpy_iterator():
-    paths += [path.decode() for path in batch['path']]
-    probabilities.append(np.asarray(_probabilities(model, preprocess, batch['image'])))
-    shown.update(len(paths))
-  warn_unread(images, paths)
+  paths, probabilities = compute(
+      images, lambda batch: _probabilities(model, run.input.preprocess, batch), 'predicted')
   probabilities = np.concatenate(probabilities) if probabilities else np.zeros((0, 1))
   # Most probable first; a stable sort keeps argmax's choice among ties as the first class.
   ranked = np.argsort(-probabilities, axis=1, kind='stable')[:, :top_k]
