@@ -36,22 +36,26 @@ def is_download_name(path: str) -> bool:
   return path.startswith(URL_PREFIXES) or path.startswith(TORCHVISION_PREFIX)
 
 
+def _torchvision_weights(path: str):
+  """torchvision's weights enum member that the name `path` names; a `ConfigError` (key
+  'init_from') if torchvision does not know it."""
+  torchvision_models = errors.require('torchvision.models', f'config.init_from={path!r}',
+                                      key='init_from', value=path)
+  name = path.removeprefix(TORCHVISION_PREFIX)
+  try:
+    return torchvision_models.get_weight(name)
+  except (ValueError, KeyError, AttributeError):  # No such enum, or no such member.
+    raise errors.ConfigError(
+        f'config.init_from={path!r}: torchvision has no weights {name!r}: give '
+        'torchvision:<Weights enum>.<member>, e.g. torchvision:ResNet50_Weights.IMAGENET1K_V2 '
+        '(torchvision.models.list_models() and get_model_weights(name) list them).',
+        key='init_from', value=path) from None
+
+
 def url(path: str) -> str:
   """The URL that `path` (`is_download_name`) names; a `ConfigError` (key 'init_from') for a
   torchvision name torchvision does not know, or a URL that names no weights file."""
-  address = path
-  if path.startswith(TORCHVISION_PREFIX):
-    torchvision_models = errors.require('torchvision.models', f'config.init_from={path!r}',
-                                        key='init_from', value=path)
-    name = path.removeprefix(TORCHVISION_PREFIX)
-    try:
-      address = torchvision_models.get_weight(name).url
-    except (ValueError, KeyError, AttributeError):  # No such enum, or no such member.
-      raise errors.ConfigError(
-          f'config.init_from={path!r}: torchvision has no weights {name!r}: give '
-          'torchvision:<Weights enum>.<member>, e.g. torchvision:ResNet50_Weights.IMAGENET1K_V2 '
-          '(torchvision.models.list_models() and get_model_weights(name) list them).',
-          key='init_from', value=path) from None
+  address = _torchvision_weights(path).url if path.startswith(TORCHVISION_PREFIX) else path
   if not _filename(address).lower().endswith(hub.FILE_SUFFIXES):
     raise errors.ConfigError(
         f'config.init_from={path!r} names no weights file: the URL must end in a file name with '
@@ -65,10 +69,7 @@ def pretrained_cfg(path: str) -> dict | None:
   own `transforms()`; None for a URL, which says nothing of it."""
   if not path.startswith(TORCHVISION_PREFIX):
     return None
-  url(path)  # A ConfigError for an unknown name.
-  torchvision_models = errors.require('torchvision.models', f'config.init_from={path!r}',
-                                      key='init_from', value=path)
-  transforms = torchvision_models.get_weight(path.removeprefix(TORCHVISION_PREFIX)).transforms()
+  transforms = _torchvision_weights(path).transforms()
   crop_size, resize_size = transforms.crop_size[0], transforms.resize_size[0]
   return dict(input_size=(3, crop_size, crop_size), crop_pct=round(crop_size / resize_size, 4),
               interpolation=transforms.interpolation.value, mean=tuple(transforms.mean),
