@@ -100,10 +100,12 @@ def load_pretrained(model: nnx.Module, model_name: str, path: str,
   backbone registered as `model_name`, but the variables matching a regex of `exclude`.
 
   Arrays whose shape differs from the model's (a head for another number of classes) are left
-  as initialised, and so is the head of weights that have none (timm's `num_classes=0`). Returns the names of the variables loaded and of the others, each with the
-  reason. A `ConfigError` (key 'init_from') for a file that is missing, unreadable, holds
-  pickled code, or does not fit the architecture; a `DownloadError` (a `ConfigError`) for Hub
-  weights that cannot be had (`hub.download`); a `MissingPackage` for a missing reader.
+  as initialised, and so is the head of weights that have none (timm's `num_classes=0`).
+  Returns the names of the variables loaded and of the others, each with the reason. A
+  `ConfigError` (key 'init_from') for a file that is missing, unreadable, holds pickled code,
+  or does not fit the architecture; a `DownloadError` (a `ConfigError`) for weights that
+  cannot be had (`hub.download`, `torch_hub.download`); a `MissingPackage` for a missing
+  reader.
   """
   import models  # pylint: disable=g-import-not-at-top  (models imports this package)
   key_map = models.MODELS.capability(model_name, 'key_map')

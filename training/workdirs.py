@@ -18,7 +18,6 @@ import tempfile
 from absl import logging
 from clu import parameter_overview
 import jax
-import ml_collections
 
 from core import errors
 from core.saved_config import CONFIG_FILE
