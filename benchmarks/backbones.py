@@ -5,6 +5,10 @@
       [--configurations=jax_auto,jax_off,torch_eager,torch_compile] \
       [--batch_size=32] [--image_size=224] [--warmup=3] [--steps=5] [--rounds=3] [--device=cpu]
 
+--models=toy_resnet is a ResNet of one basic block per stage and 8-32 features, built alike in
+both libraries (this module's, not the app's registry's): the whole benchmark at a toy size in
+seconds, its plumbing rather than a speed (tests/test_backbone_benchmark.py).
+
 For every model x dtype x configuration, a fresh child process builds the model and its
 optimizer, runs --warmup steps (the first one compiles: its seconds are reported apart), then
 times --steps steps one by one, each waited for; the figure is the median step -> images/s.
@@ -55,6 +59,8 @@ FLAGS = flags.FLAGS
 CONFIGURATIONS = ('jax_auto', 'jax_off', 'torch_eager', 'torch_compile')
 DEFAULT_CONFIGURATIONS = {'cpu': CONFIGURATIONS,
                           'cuda': ('jax_off', 'torch_eager', 'torch_compile')}
+# The toy model: timm's ResNet and this app's, one basic block per stage, these widths.
+TOY_MODEL, TOY_WIDTHS = 'toy_resnet', (8, 16, 24, 32)
 NUM_CLASSES = 1000  # ImageNet's head, as the models are published.
 LABEL_SMOOTHING = 0.1  # configs/finetune.py's.
 
@@ -88,6 +94,18 @@ def timed_steps(step) -> dict:
   return {'first_step_seconds': times[0], 'step_seconds': times[FLAGS.warmup:]}
 
 
+def register_toy_model() -> None:
+  """Registers TOY_MODEL in this process's `models.MODELS` (a measuring child's only)."""
+  # pylint: disable=g-import-not-at-top
+  from backbones import resnet
+  import models
+  # pylint: enable=g-import-not-at-top
+
+  @models.MODELS.register(TOY_MODEL)
+  class ToyResNet(resnet.ResNet):  # pylint: disable=unused-variable
+    block, depths, widths = resnet.BasicBlock, (1, 1, 1, 1), TOY_WIDTHS
+
+
 def measure_jax(configuration: str, model: str, dtype: str) -> dict:
   """Times this app's train step of `model` (configs/finetune.py's recipe) in `dtype`."""
   # pylint: disable=g-import-not-at-top  (only this child starts JAX; runtime first)
@@ -101,6 +119,8 @@ def measure_jax(configuration: str, model: str, dtype: str) -> dict:
   from training import run_spec
   from training import state as state_lib
   # pylint: enable=g-import-not-at-top
+  if model == TOY_MODEL:
+    register_toy_model()
   config = finetune.get_config()
   config.model = model
   config.compute_dtype = dtype
@@ -140,7 +160,11 @@ def measure_torch(configuration: str, model: str, dtype: str) -> dict:
   device = torch.device(FLAGS.device)
   torch.set_num_threads(len(os.sched_getaffinity(0)))
   torch.manual_seed(0)
-  network = timm.create_model(model, num_classes=NUM_CLASSES)
+  if model == TOY_MODEL:
+    network = timm.models.resnet.ResNet(timm.models.resnet.BasicBlock, (1, 1, 1, 1),
+                                        channels=TOY_WIDTHS, num_classes=NUM_CLASSES)
+  else:
+    network = timm.create_model(model, num_classes=NUM_CLASSES)
   if getattr(network, 'patch_embed', None) and network.patch_embed.img_size != (
       FLAGS.image_size,) * 2:  # A ViT's position embeddings are for one size: built for ours.
     network = timm.create_model(model, num_classes=NUM_CLASSES, img_size=FLAGS.image_size)
