@@ -275,8 +275,24 @@ def _exported_models() -> list[str]:
               and not models.MODELS.capability(name, 'replaced_by'))]
 
 
+def _load_classifier_once(monkeypatch) -> None:
+  """The checkpoint's classifier built once for a test's exports of one workdir (each export
+  builds the model and restores the checkpoint again otherwise, seconds a format): the same
+  weights every time."""
+  load_classifier, loaded = export.load_classifier, {}
+
+  def load_once(*args):
+    if 'classifier' not in loaded:
+      loaded['args'], loaded['classifier'] = args, load_classifier(*args)
+    assert args == loaded['args'], (args, loaded['args'])
+    return loaded['classifier']
+
+  monkeypatch.setattr(export, 'load_classifier', load_once)
+
+
 @pytest.mark.parametrize('name', _exported_models())
-def test_every_model_family_exports_to_every_format_with_its_logits(name, tmp_path):
+def test_every_model_family_exports_to_every_format_with_its_logits(name, tmp_path,
+                                                                   monkeypatch):
   """Each format, run by its runtime, computes the JAX model's logits (the SavedModel on images
   of another size, made model-size by its resize inside). A model holding an nnx.List of
   blocks too (integer keys in its state)."""
@@ -286,7 +302,11 @@ def test_every_model_family_exports_to_every_format_with_its_logits(name, tmp_pa
   model, _ = modes.load_model(run, str(tmp_path), modes.dataset_info(run, str(tmp_path)))
   images = np.random.default_rng(0).integers(0, 256, (2, 40, 48, 3), np.uint8)
   prepared = run.input.preprocess.resize(tf.constant(images), (32, 32)).numpy()
-  expected = np.asarray(model(run.input.preprocess.scale(prepared))) / TEMPERATURE
+  # Jitted: eagerly, each of the model's ops (the XLA:CPU kernels' many slices) compiles on
+  # its own, most of this test's time (a small ConvNeXt: 48 s of 157).
+  expected = np.asarray(nnx.jit(lambda model, images: model(images))(
+      model, run.input.preprocess.scale(prepared))) / TEMPERATURE
+  _load_classifier_once(monkeypatch)
   for export_format in BUILT_IN:
     path = export.export(run, str(tmp_path), export_format)
     served = export.format_named(export_format).run(
@@ -335,7 +355,8 @@ def _runtimes_logits(exports: dict[str, tuple[str, str | None]],
 
 
 @pytest.mark.slow
-def test_a_backbone_fine_tuned_from_imported_weights_exports_to_every_format(tmp_path):
+def test_a_backbone_fine_tuned_from_imported_weights_exports_to_every_format(tmp_path,
+                                                                            monkeypatch):
   """configs/finetune.py on a photo folder from timm's weights of a ResNet (BatchNorm
   statistics and the EMA moved by real steps; the pretrained preprocessing's centre crop at
   eval): every format, fed as its model card says (the fixed-size ones the images after its
@@ -401,6 +422,7 @@ def test_a_backbone_fine_tuned_from_imported_weights_exports_to_every_format(tmp
   files = sorted(predicted)
   names = modes.dataset_info(run, directory).class_names
   exports = {}
+  _load_classifier_once(monkeypatch)
   for export_format in BUILT_IN:
     path = export.export(run, directory, export_format)
     card = json.loads(open(os.path.join(path if os.path.isdir(path) else os.path.dirname(path),
