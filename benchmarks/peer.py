@@ -80,6 +80,8 @@ def define_flags() -> None:
                       'PyTorch peer (default: $TFDS_DATA_DIR/downloads/manual).')
   flags.DEFINE_integer('train_examples', None, 'Train on the first N training images (default: '
                        'all): for quick checks; the figures are for the whole split.')
+  flags.DEFINE_integer('eval_examples', None, 'Evaluate on the first N test images (default: '
+                       'all): for quick checks, as --train_examples.', lower_bound=1)
   flags.DEFINE_integer('matmul_size', harness.MATMUL_SIZE, "Side of the square matmul whose "
                        "FLOP/s is each library's peak (small: quick checks).", lower_bound=1)
   flags.DEFINE_string('json', None, 'Where to write the figures.')
@@ -230,6 +232,7 @@ def run_configuration(configuration: Configuration) -> dict:
   """Trains `configuration` in a fresh child; its figures per epoch and of the last epoch."""
   if configuration.library == 'torch':
     subset = [f'--train_examples={FLAGS.train_examples}'] if FLAGS.train_examples else []
+    subset += [f'--eval_examples={FLAGS.eval_examples}'] if FLAGS.eval_examples else []
     child, process = harness.json_child(
         [sys.executable, '-m', 'benchmarks.pytorch_mnist', *configuration.child_flags,
          f'--epochs={FLAGS.epochs}', f'--mnist_dir={mnist_dir()}', f'--device={FLAGS.device}',
@@ -238,6 +241,8 @@ def run_configuration(configuration: Configuration) -> dict:
   else:
     subset = ([f'--config.train_split=train[:{FLAGS.train_examples}]']
               if FLAGS.train_examples else [])
+    subset += ([f'--config.eval_split=test[:{FLAGS.eval_examples}]']
+               if FLAGS.eval_examples else [])
     with tempfile.TemporaryDirectory() as workdir:
       process = harness.run_child(
           [sys.executable, 'main.py', '--config=configs/default.py', f'--workdir={workdir}',

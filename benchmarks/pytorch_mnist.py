@@ -119,14 +119,16 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
 
 
 def train_and_evaluate(variant: str, epochs: int, mnist_dir: str, device: str = 'cpu',
-                       train_examples: int | None = None, seed: int = 0) -> dict:
+                       train_examples: int | None = None, seed: int = 0,
+                       eval_examples: int | None = None) -> dict:
   """Trains the CNN as `variant` for `epochs` epochs; returns the figures of every epoch."""
   torch.manual_seed(seed)
   device = torch.device(device)
   memory_format = torch.channels_last if variant == 'channels_last' else torch.contiguous_format
   train_images, train_labels = load_split(mnist_dir, TRAIN_FILES, device, memory_format,
                                           train_examples)
-  test_images, test_labels = load_split(mnist_dir, TEST_FILES, device, memory_format)
+  test_images, test_labels = load_split(mnist_dir, TEST_FILES, device, memory_format,
+                                        eval_examples)
   model = CNN().to(device, memory_format=memory_format)
   optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
   forward = torch.compile(model) if variant == 'compile' else model
@@ -173,7 +175,7 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   figures = train_and_evaluate(FLAGS.variant, FLAGS.epochs, FLAGS.mnist_dir, FLAGS.device,
-                               FLAGS.train_examples)
+                               FLAGS.train_examples, eval_examples=FLAGS.eval_examples)
   figures['seconds_from_start'] = time.perf_counter() - _START
   with open(FLAGS.json, 'w') as f:
     json.dump(figures, f, indent=2)
@@ -189,6 +191,9 @@ if __name__ == '__main__':
   flags.DEFINE_integer('train_examples', None,
                        'Train on the first N training images (default: all 60,000).',
                        lower_bound=BATCH_SIZE)
+  flags.DEFINE_integer('eval_examples', None,
+                       'Evaluate on the first N test images (default: all 10,000).',
+                       lower_bound=1)
   flags.DEFINE_string('json', None, 'Where to write the figures.')
   flags.mark_flags_as_required(['mnist_dir', 'json'])
   app.run(main)

@@ -101,13 +101,14 @@ def test_summary_compares_each_configuration_with_its_library_and_dtype_peak():
 
 @pytest.mark.slow  # Launches peer.py and the PyTorch program on real MNIST.
 def test_peer_runs_the_pytorch_peer_and_prints_its_table(mnist_dir, tmp_path):
-  """The whole benchmark at toy sizes: 2 training steps, 64x64 matmuls; two children (the
-  PyTorch program, and PyTorch's matmul peak and FLOPs)."""
+  """The whole benchmark at toy sizes: 2 training steps, 100 test images, 64x64 matmuls; two
+  children (the PyTorch program, and PyTorch's matmul peak and FLOPs)."""
   requires_extras('torch')
   out = tmp_path / 'peer.json'
   result = subprocess.run(
       [sys.executable, '-m', 'benchmarks.peer', '--variants=torch_eager', '--rounds=1',
-       '--epochs=1', '--train_examples=256', '--matmul_size=64', f'--mnist_dir={mnist_dir}',
+       '--epochs=1', '--train_examples=256', '--eval_examples=100',
+       '--matmul_size=64', f'--mnist_dir={mnist_dir}',
        f'--json={out}'], cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   assert result.stdout.startswith('CPU: ')
