@@ -268,9 +268,13 @@ def test_invalid_rates_are_refused(name, option):
 
 
 def _loss_and_grads(model: nnx.Module, images: np.ndarray):
+  """The loss and its gradients, compiled at XLA's lowest optimisation level: the program runs
+  once, and compiling it optimised took most of these tests' time (the values are the same
+  computation either way; remat and the layers are what the tests compare)."""
   def loss(model):
     return (model(images) ** 2).mean()
-  return nnx.jit(nnx.value_and_grad(loss))(model)
+  step = nnx.jit(nnx.value_and_grad(loss))
+  return step.lower(model).compile({'xla_backend_optimization_level': 0})(model)
 
 
 def _assert_trees_close(actual, expected, tolerance: float) -> None:
@@ -283,14 +287,12 @@ def _assert_trees_close(actual, expected, tolerance: float) -> None:
 
 def _perturb(model: nnx.Module) -> None:
   """Adds noise to every parameter, so that no residual branch starts as zero (timm's
-  zero-initialised last BatchNorm, ConvNeXt's 1e-6 layer scale) and none can hide."""
-  @jax.jit  # One program: eagerly, each array's noise would compile on its own.
-  def noisy(params):
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    return jax.tree.unflatten(treedef, [leaf + 0.1 * jax.random.normal(key, leaf.shape)
-                                        for leaf, key in zip(leaves, keys)])
-  nnx.update(model, noisy(nnx.state(model, nnx.Param)))
+  zero-initialised last BatchNorm, ConvNeXt's 1e-6 layer scale) and none can hide. The noise
+  comes from NumPy: a jitted jax.random program for every array took ~25 s of CPU to compile."""
+  rng = np.random.default_rng(1)
+  params = nnx.state(model, nnx.Param)
+  nnx.update(model, jax.tree.map(
+      lambda leaf: leaf + (0.1 * rng.standard_normal(leaf.shape)).astype(leaf.dtype), params))
 
 
 def test_drop_path_drops_whole_examples_in_training_only():
