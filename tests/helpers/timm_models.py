@@ -58,6 +58,14 @@ def images(height: int, width: int) -> np.ndarray:
   return np.random.default_rng(0).normal(size=(2, height, width, 3)).astype(np.float32)
 
 
+def _run_once(function, model: nnx.Module, images: np.ndarray):
+  """`function(model, images)` as one program compiled at XLA's lowest optimisation level: it
+  runs once, and optimising it took seconds of CPU a model (the same computation either way)."""
+  compiled = nnx.jit(function).lower(model, images).compile(
+      {'xla_backend_optimization_level': 0})
+  return compiled(model, images)
+
+
 def assert_same_logits(torch_model, model: nnx.Module, images: np.ndarray) -> float:
   """Both models' float32 logits on `images` (NHWC) agree within 1e-4 of the largest logit
   (at least 1e-4); returns the largest difference."""
@@ -65,7 +73,7 @@ def assert_same_logits(torch_model, model: nnx.Module, images: np.ndarray) -> fl
   with torch.no_grad():
     expected = torch_model(torch.from_numpy(images).permute(0, 3, 1, 2)).numpy()
   model.eval()
-  logits = nnx.jit(lambda model, images: model(images))(model, images)
+  logits = _run_once(lambda model, images: model(images), model, images)
   assert logits.dtype == np.float32
   difference = float(np.abs(np.asarray(logits) - expected).max())
   assert difference <= 1e-4 * max(1.0, float(np.abs(expected).max()))
@@ -86,7 +94,7 @@ def assert_same_pooled_features(torch_model, model: nnx.Module, images: np.ndarr
   """Our `model.pre_logits` equals timm's pooled features within 1e-4 of their largest."""
   expected = pooled_features(torch_model, images)
   model.eval()
-  features = np.asarray(nnx.jit(lambda model, images: model.pre_logits(images))(model, images))
+  features = np.asarray(_run_once(lambda model, images: model.pre_logits(images), model, images))
   assert features.shape == expected.shape
   np.testing.assert_allclose(features, expected, atol=1e-4 * max(1.0, np.abs(expected).max()))
 
