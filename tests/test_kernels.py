@@ -35,15 +35,12 @@ def test_conv_and_its_gradients_equal_nnx_conv(kernel_size, strides, padding):
   stock = nnx.Conv(channels, 5, **arguments, rngs=nnx.Rngs(0))
   fast = cpu.Conv(channels, 5, **arguments, rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(0), (3, 9, 8, channels))
-  y = stock(x)
-  dy = jax.random.normal(jax.random.key(2), y.shape)
   np.testing.assert_array_equal(fast.kernel[...], stock.kernel[...])  # Same parameters.
-  np.testing.assert_allclose(fast(x), y, rtol=1e-5, atol=1e-5)
   # Under differentiation the patches' matmul computes it (not the stock convolution).
   assert 'convolution' not in jax.jit(jax.grad(lambda x: fast(x).sum())).lower(x).as_text()
-  loss = lambda conv, x: (conv(x) * dy).sum()
-  for grad, stock_grad in zip(jax.tree.leaves(nnx.grad(loss, argnums=(0, 1))(fast, x)),
-                              jax.tree.leaves(nnx.grad(loss, argnums=(0, 1))(stock, x))):
+  (y, *grads), (stock_y, *stock_grads) = _value_and_grads(fast, x), _value_and_grads(stock, x)
+  np.testing.assert_allclose(y, stock_y, rtol=1e-5, atol=1e-5)
+  for grad, stock_grad in zip(grads, stock_grads):
     np.testing.assert_allclose(grad, stock_grad, rtol=1e-5, atol=1e-4)
 
 
@@ -59,10 +56,9 @@ def test_conv_computes_every_other_convolution_as_the_stock_layer(option):
   stock = nnx.Conv(4, 4, rngs=nnx.Rngs(0), **arguments)
   fast = cpu.Conv(4, 4, rngs=nnx.Rngs(0), **arguments)
   x = jax.random.normal(jax.random.key(0), (2, *[8] * len(arguments['kernel_size']), 4))
-  loss = lambda conv, x: jnp.sin(conv(x)).sum()
-  np.testing.assert_allclose(fast(x), stock(x), rtol=1e-5, atol=1e-5)
-  for grad, stock_grad in zip(jax.tree.leaves(nnx.grad(loss, argnums=(0, 1))(fast, x)),
-                              jax.tree.leaves(nnx.grad(loss, argnums=(0, 1))(stock, x))):
+  (y, *grads), (stock_y, *stock_grads) = _value_and_grads(fast, x), _value_and_grads(stock, x)
+  np.testing.assert_allclose(y, stock_y, rtol=1e-5, atol=1e-5)
+  for grad, stock_grad in zip(grads, stock_grads):
     np.testing.assert_allclose(grad, stock_grad, rtol=1e-5, atol=1e-4)
 
 
@@ -85,11 +81,16 @@ def test_depthwise_conv_and_its_gradients_equal_nnx_conv(kernel_size, strides, p
     np.testing.assert_allclose(value, stock_value, rtol=1e-5, atol=1e-5)
 
 
-@nnx.jit  # One program: op by op, each of a 7x7 kernel's 49 taps would compile on its own.
 def _value_and_grads(conv: nnx.Conv, x: jax.Array) -> list[jax.Array]:
-  """`conv(x)` and the gradients of a random projection of it: the bias, kernel and input."""
-  loss = lambda conv, x: (conv(x) * jax.random.normal(jax.random.key(2), conv(x).shape)).sum()
-  return [conv(x), *jax.tree.leaves(nnx.grad(loss, argnums=(0, 1))(conv, x))]
+  """`conv(x)` and the gradients of a random projection of it (the bias, kernel and input), as
+  one program compiled at XLA's lowest optimisation level: it runs once (op by op, each of a
+  7x7 kernel's 49 taps compiled on its own; optimised, the program took longer to compile)."""
+  def value_and_grads(conv, x):
+    loss = lambda conv, x: (conv(x) * jax.random.normal(jax.random.key(2), conv(x).shape)).sum()
+    return [conv(x), *jax.tree.leaves(nnx.grad(loss, argnums=(0, 1))(conv, x))]
+  compiled = nnx.jit(value_and_grads).lower(conv, x).compile(
+      {'xla_backend_optimization_level': 0})
+  return compiled(conv, x)
 
 
 def test_depthwise_conv_in_bfloat16_accumulates_as_the_stock_layer():
