@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The prepared GPU run of benchmarks/backbones.py: resnet50 and vit_small_patch16_224, float32
-# and bfloat16, batch 32 at 224 px, this app on JAX's GPU backend (cpu_kernels off) against
-# timm in PyTorch on CUDA (eager and torch.compile). 12 children, each printing its row when
-# done; estimated 6-9 minutes on one H100/H200-class GPU (the torch.compile children compile
-# for 1-2 minutes each), cut at 9.5 minutes so that the whole call stays within 10.
-# Not run yet: written on a machine without a GPU (docs/backbone_speed.md).
+# The prepared GPU run of benchmarks/backbones.py: resnet50 and vit_small_patch16_224 in
+# bfloat16 (what a GPU trains in), batch 128 at 224 px, this app on JAX's GPU backend
+# (cpu_kernels off) against timm in PyTorch on CUDA (eager and torch.compile). 6 children, each
+# printing its row when done: about 6 minutes on one H200 (the torch.compile children compile
+# for 1-2 minutes each), cut at 8 minutes so that a lent machine's 10-minute call holds it with
+# the install. docs/backbone_speed.md has its table.
 #
 #   benchmarks/backbones_gpu.sh [OUT_DIR]      (default: $OUT, else the current directory)
 #
@@ -24,6 +24,6 @@ JAX_PLATFORMS=cuda "$python" -c 'import jax; print("jax", jax.__version__, jax.d
 "$python" -c 'import torch, timm; assert torch.cuda.is_available(); print("torch", torch.__version__, torch.cuda.get_device_name(0), "timm", timm.__version__)' ||
   { echo "PyTorch sees no CUDA GPU (or timm is missing): install the CUDA torch and timm first." >&2; exit 1; }
 
-timeout 570 "$python" -m benchmarks.backbones --device=cuda --batch_size=32 --image_size=224 \
-  --warmup=3 --steps=20 --rounds=1 --json="$out_dir/backbones_gpu.json" \
+timeout 480 "$python" -m benchmarks.backbones --device=cuda --dtypes=bfloat16 --batch_size=128 \
+  --image_size=224 --warmup=3 --steps=10 --rounds=1 --json="$out_dir/backbones_gpu.json" \
   2>&1 | tee "$out_dir/backbones_gpu.log"
