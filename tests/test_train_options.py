@@ -238,12 +238,13 @@ def test_profile_steps_writes_a_trace_for_tensorboard(tfds_data_dir, tmp_path):
 
 @pytest.mark.slow
 def test_bfloat16_evaluates_within_a_small_margin_of_float32(tfds_data_dir, tmp_path):
-  """400 steps on real MNIST: the bfloat16 run's eval (precise BatchNorm statistics) is the
+  """200 steps on real MNIST: the bfloat16 run's eval (precise BatchNorm statistics) is the
   float32 run's, within a small margin. With the running averages, bfloat16's drifting conv
-  biases left them behind: eval fell to 88-91% while float32 read 98.6% (2 epochs)."""
+  biases left them behind: eval fell to 88-91% while float32 read 98.6% (2 epochs); at these
+  200 steps, 90.75% against 97.6% (precise_bn_batches=0), and 97.35% against 97.9% with them."""
   results = {}
   for dtype in ('float32', 'bfloat16'):
-    config = _config(data_dir=tfds_data_dir, train_split='train[:25600]',
+    config = _config(data_dir=tfds_data_dir, train_split='train[:12800]',
                      eval_split='test[:2000]', batch_size=64, num_epochs=1, compute_dtype=dtype,
                      evaluators='loss|accuracy')
     results[dtype] = train.train_and_evaluate(run_spec.resolve(config), str(tmp_path / dtype))
