@@ -9,8 +9,7 @@ def get_config():
   config.warmup_epochs = 0.2  # A short ramp lets the higher peak rate start stably.
   config.learning_rate = 0.4  # Peak rate: 4x the default's constant rate.
   config.num_epochs = 1  # One annealed epoch: docs/runs/fast*.json.
-  # Chosen on a validation slice (train[55000:], seeds 0-2): 98.99% on average with it against
-  # 98.54% without (docs/results.md).
+  # Chosen on a validation slice (train[55000:], seeds 0-2): docs/results.md.
   config.loss_options.cross_entropy.label_smoothing = 0.1
   config.evaluators = 'loss|accuracy'  # Nothing but the eval scalars at each epoch.
   return config
