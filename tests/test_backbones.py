@@ -15,6 +15,7 @@ from backbones import common
 from backbones import weights
 from tests.helpers import timm_models as timm_helpers
 from tests.helpers.build import create_backbone
+from tests.helpers.build import run_once
 from tests.helpers.optional import requires_extras
 from core import errors
 import kernels
@@ -273,8 +274,7 @@ def _loss_and_grads(model: nnx.Module, images: np.ndarray):
   computation either way; remat and the layers are what the tests compare)."""
   def loss(model):
     return (model(images) ** 2).mean()
-  step = nnx.jit(nnx.value_and_grad(loss))
-  return step.lower(model).compile({'xla_backend_optimization_level': 0})(model)
+  return run_once(nnx.value_and_grad(loss), model)
 
 
 def _assert_trees_close(actual, expected, tolerance: float) -> None:

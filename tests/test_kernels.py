@@ -12,6 +12,7 @@ import kernels
 from kernels import cpu
 from tests.helpers import small_backbones  # pylint: disable=unused-import  (registers them)
 from tests.helpers.build import create_backbone
+from tests.helpers.build import run_once
 
 
 def test_select_layers_by_backend_and_switch():
@@ -82,15 +83,12 @@ def test_depthwise_conv_and_its_gradients_equal_nnx_conv(kernel_size, strides, p
 
 
 def _value_and_grads(conv: nnx.Conv, x: jax.Array) -> list[jax.Array]:
-  """`conv(x)` and the gradients of a random projection of it (the bias, kernel and input), as
-  one program compiled at XLA's lowest optimisation level: it runs once (op by op, each of a
-  7x7 kernel's 49 taps compiled on its own; optimised, the program took longer to compile)."""
+  """`conv(x)` and the gradients of a random projection of it (the bias, kernel and input), in
+  one program (`run_once`): op by op, each of a 7x7 kernel's 49 taps would compile alone."""
   def value_and_grads(conv, x):
     loss = lambda conv, x: (conv(x) * jax.random.normal(jax.random.key(2), conv(x).shape)).sum()
     return [conv(x), *jax.tree.leaves(nnx.grad(loss, argnums=(0, 1))(conv, x))]
-  compiled = nnx.jit(value_and_grads).lower(conv, x).compile(
-      {'xla_backend_optimization_level': 0})
-  return compiled(conv, x)
+  return run_once(value_and_grads, conv, x)
 
 
 def test_depthwise_conv_in_bfloat16_accumulates_as_the_stock_layer():

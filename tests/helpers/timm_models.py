@@ -6,6 +6,7 @@ import numpy as np
 
 from backbones import weights
 from tests.helpers.build import create_backbone
+from tests.helpers.build import run_once
 from tests.helpers.optional import requires_extras
 
 NUM_CLASSES = 7
@@ -58,14 +59,6 @@ def images(height: int, width: int) -> np.ndarray:
   return np.random.default_rng(0).normal(size=(2, height, width, 3)).astype(np.float32)
 
 
-def _run_once(function, model: nnx.Module, images: np.ndarray):
-  """`function(model, images)` as one program compiled at XLA's lowest optimisation level: it
-  runs once, and optimising it took seconds of CPU a model (the same computation either way)."""
-  compiled = nnx.jit(function).lower(model, images).compile(
-      {'xla_backend_optimization_level': 0})
-  return compiled(model, images)
-
-
 def assert_same_logits(torch_model, model: nnx.Module, images: np.ndarray) -> float:
   """Both models' float32 logits on `images` (NHWC) agree within 1e-4 of the largest logit
   (at least 1e-4); returns the largest difference."""
@@ -73,7 +66,7 @@ def assert_same_logits(torch_model, model: nnx.Module, images: np.ndarray) -> fl
   with torch.no_grad():
     expected = torch_model(torch.from_numpy(images).permute(0, 3, 1, 2)).numpy()
   model.eval()
-  logits = _run_once(lambda model, images: model(images), model, images)
+  logits = run_once(lambda model, images: model(images), model, images)
   assert logits.dtype == np.float32
   difference = float(np.abs(np.asarray(logits) - expected).max())
   assert difference <= 1e-4 * max(1.0, float(np.abs(expected).max()))
@@ -94,7 +87,7 @@ def assert_same_pooled_features(torch_model, model: nnx.Module, images: np.ndarr
   """Our `model.pre_logits` equals timm's pooled features within 1e-4 of their largest."""
   expected = pooled_features(torch_model, images)
   model.eval()
-  features = np.asarray(_run_once(lambda model, images: model.pre_logits(images), model, images))
+  features = np.asarray(run_once(lambda model, images: model.pre_logits(images), model, images))
   assert features.shape == expected.shape
   np.testing.assert_allclose(features, expected, atol=1e-4 * max(1.0, np.abs(expected).max()))
 
