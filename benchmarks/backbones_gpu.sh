@@ -2,8 +2,8 @@
 # The prepared GPU run of benchmarks/backbones.py: resnet50 and vit_small_patch16_224 in
 # bfloat16 (what a GPU trains in), batch 128 at 224 px, this app on JAX's GPU backend
 # (cpu_kernels off) against timm in PyTorch on CUDA (eager and torch.compile). 6 children, each
-# printing its row when done: about 6 minutes on one H200 (the torch.compile children compile
-# for 1-2 minutes each), cut at 8 minutes so that a lent machine's 10-minute call holds it with
+# printing its row when done: 207 s on one H200 (the torch.compile children compile for 20-40 s
+# each), cut at 8 minutes so that a lent machine's 10-minute call holds it with
 # the install. docs/backbone_speed.md has its table.
 #
 #   benchmarks/backbones_gpu.sh [OUT_DIR]      (default: $OUT, else the current directory)
