@@ -27,8 +27,10 @@ except ImportError:  # No torch stack installed (or not on Linux): nothing to or
 
 # mallopt parameters, from glibc's <malloc.h>.
 _M_TRIM_THRESHOLD = -1
-_M_MMAP_MAX = -4
+_M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
+# Above the MNIST CNN's scratch block a train step, below a 224-px backbone's largest blocks.
+MMAP_THRESHOLD = 128 << 20
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # Libraries whose INFO lines, through absl's logging, are shown: clu's parameter overview.
 _SHOWN_LIBRARIES = (f'{os.sep}clu{os.sep}',)
@@ -122,10 +124,13 @@ def keep_freed_memory() -> bool:
 
   XLA:CPU allocates an executable's scratch memory on every call and frees it after. glibc
   serves a block that large with a fresh `mmap` and returns it with `munmap`, so every train
-  step faults in thousands of zeroed pages again. One malloc arena for all threads, no `mmap`
-  and no trimming keep that memory mapped and reused. Python's own allocations are unaffected.
-  Measured on XLA:CPU only (docs/performance.md), hence `tune_malloc_for_cpu`. Does nothing
-  where libc is not glibc.
+  step faults in thousands of zeroed pages again. One malloc arena for all threads, no
+  trimming, and blocks up to `MMAP_THRESHOLD` from that arena keep that memory mapped and
+  reused. Larger blocks still get their own `mmap`: kept in the arena too, the blocks of a
+  224-px backbone's step fragmented it until the process held several times the step's memory,
+  while the page faults of blocks that large are small beside their step's compute. Python's own allocations are unaffected. Measured on
+  XLA:CPU only (docs/performance.md), hence `tune_malloc_for_cpu`. Does nothing where libc is
+  not glibc.
   """
   if not sys.platform.startswith('linux'):
     return False
@@ -135,7 +140,7 @@ def keep_freed_memory() -> bool:
   except (OSError, AttributeError):
     return False
   return all(libc.mallopt(param, value) == 1 for param, value in (
-      (_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1)))
+      (_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, 2**31 - 1)))
 
 
 class Interrupted(Exception):
