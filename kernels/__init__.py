@@ -3,7 +3,8 @@
 Models take a `Layers` and build their convolutions, dense layers, batch norms, dropout,
 pooling and attention from it, the way flax's imagenet example injects `conv: ModuleDef`.
 `select_layers` is the one place that decides, by `config.cpu_kernels` and JAX's backend,
-whether the stock layers or the XLA:CPU ones (`kernels/cpu.py`) are used, and, by
+whether the stock layers, the XLA:CPU ones (`kernels/cpu.py`) or the CUDA ones
+(`kernels/gpu.py`) are used, and, by
 `config.compute_dtype`, the dtype the layers compute in (their parameters stay float32). All
 build the same parameters, so a checkpoint written with one restores into the other.
 """
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 
 from core import errors
 from kernels import cpu
+from kernels import gpu
 
 CPU_KERNELS = ('auto', 'off')
 COMPUTE_DTYPES = ('float32', 'bfloat16')
@@ -37,14 +39,16 @@ class Layers:
 STOCK_LAYERS = Layers()
 CPU_LAYERS = Layers(conv=cpu.Conv, dropout=cpu.Dropout, avg_pool=cpu.avg_pool,
                     attention=cpu.dot_product_attention)
+GPU_LAYERS = Layers(attention=gpu.dot_product_attention)
 
 
 def select_layers(cpu_kernels: str, backend: str | None = None,
                   compute_dtype: str = 'float32') -> Layers:
   """The layers for `config.cpu_kernels` on `backend` (default: JAX's default backend).
 
-  'auto' uses the CPU layers on the CPU backend and the stock layers everywhere else; 'off'
-  always uses the stock layers. With `compute_dtype` 'bfloat16' the layers with parameters
+  'auto' uses the CPU layers on the CPU backend, the GPU layers on the CUDA backend ('gpu') and
+  the stock layers everywhere else; 'off' always uses the stock layers (the config key keeps
+  its first name). With `compute_dtype` 'bfloat16' the layers with parameters
   compute in bfloat16 (their inputs and parameters are cast to it) and keep float32 parameters;
   the layers without parameters compute in the dtype of their inputs.
   """
@@ -54,7 +58,8 @@ def select_layers(cpu_kernels: str, backend: str | None = None,
       raise errors.ConfigError(f'Unknown {key} {value!r}: config.{key} must be one of '
                                f'{list(valid)}.', key=key, value=value)
   backend = backend or jax.default_backend()
-  layers = CPU_LAYERS if cpu_kernels == 'auto' and backend == 'cpu' else STOCK_LAYERS
+  layers = ({'cpu': CPU_LAYERS, 'gpu': GPU_LAYERS}.get(backend, STOCK_LAYERS)
+            if cpu_kernels == 'auto' else STOCK_LAYERS)
   if compute_dtype == 'float32':
     return layers
 

@@ -300,7 +300,7 @@ def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array,
   The stock function contracts 'BTNH,BSNH->BNTS': each batched matmul has its batch dimensions
   apart (B first, N third), which XLA:CPU lays out by copies inside the forward and backward
   matmuls. With the inputs transposed to (B, N, T, H) once, both matmuls and their gradients
-  are plain batched matmuls (ViT-S/16's attention at 224 px, batch 32: docs/backbone_speed.md).
+  are plain batched matmuls (measured on ViT-S/16: `python -m benchmarks.step_profile`).
   The arithmetic is the stock function's: float32 logits scaled by 1 / sqrt(H), a softmax over
   the keys. Any other case (bfloat16, a bias or mask, causal, lengths) runs as the stock
   function runs it.

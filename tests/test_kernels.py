@@ -10,6 +10,7 @@ import pytest
 from core import errors
 import kernels
 from kernels import cpu
+from kernels import gpu
 from tests.helpers import small_backbones  # pylint: disable=unused-import  (registers them)
 from tests.helpers.build import create_backbone
 from tests.helpers.build import run_once
@@ -17,12 +18,24 @@ from tests.helpers.build import run_once
 
 def test_select_layers_by_backend_and_switch():
   assert kernels.select_layers('auto', 'cpu') is kernels.CPU_LAYERS
-  for backend in ('gpu', 'tpu'):
-    assert kernels.select_layers('auto', backend) is kernels.STOCK_LAYERS
-  assert kernels.select_layers('off', 'cpu') is kernels.STOCK_LAYERS
+  assert kernels.select_layers('auto', 'gpu') is kernels.GPU_LAYERS
+  assert kernels.select_layers('auto', 'tpu') is kernels.STOCK_LAYERS
+  for backend in ('cpu', 'gpu'):
+    assert kernels.select_layers('off', backend) is kernels.STOCK_LAYERS
   with pytest.raises(errors.ConfigError) as error:
     kernels.select_layers('on', 'cpu')
   assert (error.value.key, error.value.value) == ('cpu_kernels', 'on')
+
+
+def test_gpu_attention_is_the_stock_function_where_cudnn_does_not_take_the_inputs():
+  """float32 inputs (cuDNN's fused attention takes half precision) and a mask run as the stock
+  function runs them; on a CUDA GPU, benchmarks/attention_gpu.py compares cuDNN's with it."""
+  query, key, value = jax.random.normal(jax.random.key(0), (3, 2, 5, 2, 8))
+  mask = jnp.tril(jnp.ones((5, 5), bool))[None, None]
+  for options in ({}, {'mask': mask}):
+    np.testing.assert_array_equal(
+        gpu.dot_product_attention(query, key, value, **options),
+        jax.nn.dot_product_attention(query, key, value, **options))
 
 
 @pytest.mark.parametrize('kernel_size', [(3, 3), (2, 2), (5, 3), (1, 1)])
