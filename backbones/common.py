@@ -28,13 +28,14 @@ HE_NORMAL = nnx.initializers.variance_scaling(2.0, 'fan_out', 'normal')
 TRUNC_NORMAL = nnx.initializers.truncated_normal(stddev=0.02)
 
 
-def pretrained_cfg(hf_hub_id: str, crop_pct: float, interpolation: str,
+def pretrained_cfg(hf_hub_id: str | None, crop_pct: float, interpolation: str,
                    mean: tuple[float, ...], std: tuple[float, ...],
                    input_size: tuple[int, int, int] = (3, 224, 224)) -> dict:
   """timm's `pretrained_cfg` values of a model's default weights, which the app's preprocessing
-  must reproduce (resize, crop, normalisation); `hf_hub_id` names those weights on the Hub."""
-  return dict(hf_hub_id=hf_hub_id, input_size=input_size, crop_pct=crop_pct,
-              interpolation=interpolation, mean=mean, std=std)
+  must reproduce (resize, crop, normalisation); `hf_hub_id` names those weights on the Hub
+  (None for weights that are not there, such as torchvision's)."""
+  return dict(**({'hf_hub_id': hf_hub_id} if hf_hub_id else {}), input_size=input_size,
+              crop_pct=crop_pct, interpolation=interpolation, mean=mean, std=std)
 
 
 def check_rate(name: str, value: float) -> None:
@@ -77,17 +78,19 @@ def conv(layers: kernels.Layers, in_features: int, out_features: int, kernel_siz
 
 
 def batch_norm(layers: kernels.Layers, features: int, *, rngs: nnx.Rngs,
-               zero_scale: bool = False) -> nnx.BatchNorm:
-  """A torch `BatchNorm2d` (eps 1e-5, torch momentum 0.1 = flax's 0.9); `zero_scale` starts it
-  at zero, so that a residual block starts as the identity (timm's `zero_init_last`)."""
+               zero_scale: bool = False, epsilon: float = 1e-5) -> nnx.BatchNorm:
+  """A torch `BatchNorm2d` (eps 1e-5 unless given, torch momentum 0.1 = flax's 0.9);
+  `zero_scale` starts it at zero, so that a residual block starts as the identity (timm's
+  `zero_init_last`)."""
   scale_init = nnx.initializers.zeros if zero_scale else nnx.initializers.ones
-  return layers.batch_norm(features, epsilon=1e-5, momentum=0.9, scale_init=scale_init,
+  return layers.batch_norm(features, epsilon=epsilon, momentum=0.9, scale_init=scale_init,
                            rngs=rngs)
 
 
-def layer_norm(features: int, *, rngs: nnx.Rngs) -> nnx.LayerNorm:
-  """timm's LayerNorm of ViT and ConvNeXt (eps 1e-6) over the last (channel) axis."""
-  return nnx.LayerNorm(features, epsilon=1e-6, rngs=rngs)
+def layer_norm(features: int, *, rngs: nnx.Rngs, epsilon: float = 1e-6) -> nnx.LayerNorm:
+  """timm's LayerNorm of ViT and ConvNeXt (eps 1e-6 unless given: CLIP's is torch's 1e-5)
+  over the last (channel) axis."""
+  return nnx.LayerNorm(features, epsilon=epsilon, rngs=rngs)
 
 
 def gelu(x: jax.Array) -> jax.Array:
@@ -95,16 +98,23 @@ def gelu(x: jax.Array) -> jax.Array:
   return jax.nn.gelu(x, approximate=False)
 
 
-class Mlp(nnx.Module):
-  """The feed-forward block of transformers and ConvNeXt: `fc1` to `hidden` features, exact
-  GELU, `fc2` back, on the last axis."""
+def quick_gelu(x: jax.Array) -> jax.Array:
+  """OpenAI CLIP's QuickGELU, x * sigmoid(1.702 x) (timm's `QuickGELU`)."""
+  return x * jax.nn.sigmoid(1.702 * x)
 
-  def __init__(self, features: int, hidden: int, *, layers: kernels.Layers, rngs: nnx.Rngs):
+
+class Mlp(nnx.Module):
+  """The feed-forward block of transformers and ConvNeXt: `fc1` to `hidden` features, the
+  `activation` (exact GELU unless given), `fc2` back, on the last axis."""
+
+  def __init__(self, features: int, hidden: int, *, layers: kernels.Layers, rngs: nnx.Rngs,
+               activation: Callable[[jax.Array], jax.Array] = gelu):
     self.fc1 = layers.linear(features, hidden, kernel_init=TRUNC_NORMAL, rngs=rngs)
     self.fc2 = layers.linear(hidden, features, kernel_init=TRUNC_NORMAL, rngs=rngs)
+    self.activation = activation
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return self.fc2(gelu(self.fc1(x)))
+    return self.fc2(self.activation(self.fc1(x)))
 
 
 class DropPath(nnx.Module):

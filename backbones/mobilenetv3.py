@@ -71,6 +71,38 @@ KEY_MAP = (
 )
 
 
+def torchvision_key_map(stages: tuple[tuple[Blocks, ...], ...]) -> tuple:
+  """torchvision's keys (its `MobileNetV3`: mobilenet_v3_large) -> the paths of a model of
+  `stages`. `features.0` is the stem; `features.1` on are the blocks, numbered through the
+  stages, each a `block` of its layers in order (a convolution `.0` and its BatchNorm `.1`
+  each; the squeeze-and-excitation's `fc1`/`fc2`); the next and last is the 1x1 convolution to
+  the pooled features; `classifier.0` is the Linear that timm's 1x1 head convolution computes,
+  `classifier.3` the classifier."""
+  rules = [*weights.conv_rules(r'features\.0\.0', 'conv_stem'),
+           *weights.norm_rules(r'features\.0\.1', 'bn1')]
+  index = 1
+  for stage_index, stage in enumerate(stages):
+    block_index = 0
+    for spec in stage:
+      for repeat in range(spec.repeats):
+        block, target = rf'features\.{index}\.block', f'blocks.{stage_index}.{block_index}'
+        roles = (('expansion',) if spec.expand_ratio != 1 else ()) + ('dw',)
+        roles += ('se',) * spec.squeeze_excite + ('projection',)
+        for position, role in enumerate(roles):
+          rules += ((*weights.conv_rules(rf'{block}\.{position}\.fc1', f'{target}.se.conv_reduce'),
+                     *weights.conv_rules(rf'{block}\.{position}\.fc2', f'{target}.se.conv_expand'))
+                    if role == 'se' else
+                    (*weights.conv_rules(rf'{block}\.{position}\.0', f'{target}.conv_{role}'),
+                     *weights.norm_rules(rf'{block}\.{position}\.1', f'{target}.bn_{role}')))
+        index, block_index = index + 1, block_index + 1
+  last = f'blocks.{len(stages)}.0'
+  return (*rules, *weights.conv_rules(rf'features\.{index}\.0', f'{last}.conv'),
+          *weights.norm_rules(rf'features\.{index}\.1', f'{last}.bn'),
+          (r'classifier\.0\.weight', 'conv_head.kernel', 'linear_as_conv'),
+          (r'classifier\.0\.bias', 'conv_head.bias', 'copy'),
+          *weights.linear_rules(r'classifier\.3', 'classifier'))
+
+
 def make_divisible(value: float, divisor: int = 8) -> int:
   """timm's `make_divisible`: the multiple of `divisor` nearest `value` (at least `divisor`),
   one more when that loses over 10% of it. Expanded and squeeze-excitation widths use it."""
@@ -99,21 +131,22 @@ class MBConv(nnx.Module):
   stochastic depth) where the shapes allow."""
 
   def __init__(self, in_features: int, stride: int, spec: Blocks, drop_path_rate: float, *,
-               layers: kernels.Layers, rngs: nnx.Rngs):
+               layers: kernels.Layers, rngs: nnx.Rngs, epsilon: float = 1e-5):
     if spec.expand_ratio != 1:
       hidden = make_divisible(in_features * spec.expand_ratio)
       self.conv_expansion = common.conv(layers, in_features, hidden, 1, rngs=rngs)
-      self.bn_expansion = common.batch_norm(layers, hidden, rngs=rngs)
+      self.bn_expansion = common.batch_norm(layers, hidden, rngs=rngs, epsilon=epsilon)
     else:
       hidden = in_features
       self.conv_expansion = self.bn_expansion = None
     self.conv_dw = common.conv(layers, hidden, hidden, spec.kernel_size, stride=stride,
                                groups=hidden, rngs=rngs)
-    self.bn_dw = common.batch_norm(layers, hidden, rngs=rngs)
+    self.bn_dw = common.batch_norm(layers, hidden, rngs=rngs, epsilon=epsilon)
     self.se = (SqueezeExcite(hidden, make_divisible(hidden * _SE_RATIO), layers=layers,
                              rngs=rngs) if spec.squeeze_excite else None)
     self.conv_projection = common.conv(layers, hidden, spec.out_features, 1, rngs=rngs)
-    self.bn_projection = common.batch_norm(layers, spec.out_features, rngs=rngs)
+    self.bn_projection = common.batch_norm(layers, spec.out_features, rngs=rngs,
+                                           epsilon=epsilon)
     self.activation = spec.activation
     self.has_skip = stride == 1 and in_features == spec.out_features
     self.drop_path = common.DropPath(drop_path_rate, rngs=rngs)
@@ -134,9 +167,9 @@ class ConvBnAct(nnx.Module):
   the features)."""
 
   def __init__(self, in_features: int, out_features: int, *, layers: kernels.Layers,
-               rngs: nnx.Rngs):
+               rngs: nnx.Rngs, epsilon: float = 1e-5):
     self.conv = common.conv(layers, in_features, out_features, 1, rngs=rngs)
-    self.bn = common.batch_norm(layers, out_features, rngs=rngs)
+    self.bn = common.batch_norm(layers, out_features, rngs=rngs, epsilon=epsilon)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return hard_swish(self.bn(self.conv(x)))
@@ -150,11 +183,13 @@ LAYERS = models.LayerGroups(stem=r'^(conv_stem|bn1)\.', blocks=r'^blocks\.(\d+)\
 class MobileNetV3(nnx.Module):
   """A hard-swish stem of `stem_features`, stages of `MBConv` blocks as `stages` lists them, a
   last stage of one `ConvBnAct` to `conv_features`, average pooling, a 1x1 head convolution to
-  `head_features` with hard-swish, and the classifier. Subclasses set all four."""
+  `head_features` with hard-swish, and the classifier. Subclasses set all four, and
+  torchvision's layout its BatchNorms' epsilon."""
   stages: tuple[tuple[Blocks, ...], ...]  # As `_LARGE_STAGES`.
   stem_features: int
   conv_features: int
   head_features: int
+  bn_epsilon: float = 1e-5  # timm's; torchvision's MobileNetV3 has 1e-3.
 
   def __init__(self, image_shape: tuple[int, int, int], num_classes: int, *,
                layers: kernels.Layers, rngs: nnx.Rngs, drop_path_rate: float = 0.0,
@@ -168,7 +203,8 @@ class MobileNetV3(nnx.Module):
     num_blocks = sum(spec.repeats for stage in self.stages for spec in stage) + 1
     self.conv_stem = common.conv(layers, image_shape[-1], self.stem_features, 3, stride=2,
                                  rngs=rngs)
-    self.bn1 = common.batch_norm(layers, self.stem_features, rngs=rngs)
+    self.bn1 = common.batch_norm(layers, self.stem_features, rngs=rngs,
+                                 epsilon=self.bn_epsilon)
     stages, in_features, index = [], self.stem_features, 0
     for stage in self.stages:
       blocks = []
@@ -176,11 +212,12 @@ class MobileNetV3(nnx.Module):
         for repeat in range(spec.repeats):
           # timm's schedule here: rate * index / number of blocks (the last one stays below it).
           blocks.append(MBConv(in_features, spec.stride if repeat == 0 else 1, spec,
-                               drop_path_rate * index / num_blocks, layers=layers, rngs=rngs))
+                               drop_path_rate * index / num_blocks, layers=layers, rngs=rngs,
+                               epsilon=self.bn_epsilon))
           in_features, index = spec.out_features, index + 1
       stages.append(nnx.List(blocks))
     stages.append(nnx.List([ConvBnAct(in_features, self.conv_features, layers=layers,
-                                      rngs=rngs)]))
+                                      rngs=rngs, epsilon=self.bn_epsilon)]))
     self.blocks = nnx.List(stages)
     # After the pooling, on one pixel: a 1x1 convolution (timm's weights' layout) with a bias.
     self.conv_head = common.conv(layers, self.conv_features, self.head_features, 1,
@@ -211,3 +248,16 @@ class MobileNetV3(nnx.Module):
 class MobileNetV3Large(MobileNetV3):
   """MobileNetV3-Large 1.0 (5.5M parameters with 1,000 classes)."""
   stages, stem_features, conv_features, head_features = _LARGE_STAGES, 16, 960, 1280
+
+
+@models.MODELS.register(
+    'mobilenet_v3_large', key_map=torchvision_key_map(_LARGE_STAGES), layers=LAYERS,
+    # torchvision's weights (MobileNet_V3_Large_Weights.IMAGENET1K_V1, not on the Hub): resized
+    # to 256, centre-cropped to 224, bilinear.
+    pretrained=common.pretrained_cfg(None, crop_pct=0.875, interpolation='bilinear',
+                                     mean=common.IMAGENET_MEAN, std=common.IMAGENET_STD))
+class MobileNetV3LargeTorchvision(MobileNetV3Large):
+  """torchvision's `mobilenet_v3_large`: timm's MobileNetV3-Large with torchvision's BatchNorm
+  epsilon (1e-3), in whose layout its weights import (`torchvision:MobileNet_V3_Large_Weights.
+  IMAGENET1K_V1`)."""
+  bn_epsilon = 1e-3

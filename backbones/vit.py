@@ -4,6 +4,8 @@ projection, a final LayerNorm and the classifier on the class token. DINOv2's (O
 2023) are the same with 14x14 patches and layer scale, those with registers (Darcet et al. 2024)
 with 4 more learned tokens."""
 
+from collections.abc import Callable
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -113,12 +115,15 @@ class Block(nnx.Module):
   is set (timm's Identity otherwise)."""
 
   def __init__(self, features: int, num_heads: int, drop_path_rate: float,
-               init_values: float | None, *, layers: kernels.Layers, rngs: nnx.Rngs):
-    self.norm1 = common.layer_norm(features, rngs=rngs)
+               init_values: float | None, *, layers: kernels.Layers, rngs: nnx.Rngs,
+               epsilon: float = 1e-6,
+               activation: Callable[[jax.Array], jax.Array] = common.gelu):
+    self.norm1 = common.layer_norm(features, rngs=rngs, epsilon=epsilon)
     self.attn = Attention(features, num_heads, layers=layers, rngs=rngs)
     self.ls1 = LayerScale(features, init_values) if init_values else None
-    self.norm2 = common.layer_norm(features, rngs=rngs)
-    self.mlp = common.Mlp(features, 4 * features, layers=layers, rngs=rngs)
+    self.norm2 = common.layer_norm(features, rngs=rngs, epsilon=epsilon)
+    self.mlp = common.Mlp(features, 4 * features, layers=layers, rngs=rngs,
+                          activation=activation)
     self.ls2 = LayerScale(features, init_values) if init_values else None
     self.drop_path = common.DropPath(drop_path_rate, rngs=rngs)
 
@@ -136,7 +141,8 @@ class VisionTransformer(nnx.Module):
   `reg_tokens` register tokens after those, a LayerNorm before the blocks when `pre_norm`
   (CLIP's), a bias in the patch embedding unless not `patch_bias`, no class token unless
   `class_token`, and the features pooled by the class token, or by attention from a learned
-  query when `global_pool` is 'map' (SigLIP's) (the attributes are timm's arguments).
+  query when `global_pool` is 'map' (SigLIP's) (the attributes are timm's arguments); the
+  LayerNorms' `norm_epsilon` and the MLPs' `mlp_activation` (CLIP's differ).
 
   The position embedding has one row per patch of `image_shape` (whose height and width are
   cut into whole patches, a remainder dropped as torch's convolution does), after one per class
@@ -153,6 +159,8 @@ class VisionTransformer(nnx.Module):
   patch_bias = True
   class_token = True
   global_pool = 'token'
+  norm_epsilon = 1e-6
+  mlp_activation = staticmethod(common.gelu)
   features: int
   depth: int
   num_heads: int
@@ -187,11 +195,12 @@ class VisionTransformer(nnx.Module):
                             (1, embedded_prefix + grid_size[0] * grid_size[1], self.features)),
         grid_size=grid_size)
     if self.pre_norm:
-      self.norm_pre = common.layer_norm(self.features, rngs=rngs)
+      self.norm_pre = common.layer_norm(self.features, rngs=rngs, epsilon=self.norm_epsilon)
     self.blocks = nnx.List([
-        Block(self.features, self.num_heads, rate, self.init_values, layers=layers, rngs=rngs)
+        Block(self.features, self.num_heads, rate, self.init_values, layers=layers, rngs=rngs,
+              epsilon=self.norm_epsilon, activation=self.mlp_activation)
         for rate in rates])
-    self.norm = common.layer_norm(self.features, rngs=rngs)
+    self.norm = common.layer_norm(self.features, rngs=rngs, epsilon=self.norm_epsilon)
     if self.global_pool == 'map':
       self.attn_pool = AttentionPool(self.features, self.num_heads, layers=layers, rngs=rngs)
     self.dropout = layers.dropout(rate=dropout_rate, rngs=rngs)
@@ -349,19 +358,34 @@ class DeiTSmallDistilled(VisionTransformer):
   distilled = True
 
 
+def _clip_cfg(hf_hub_id: str, crop_pct: float) -> dict:
+  """timm's pretrained_cfg of CLIP weights: bicubic resizing, CLIP's statistics."""
+  return common.pretrained_cfg(hf_hub_id, crop_pct=crop_pct, interpolation='bicubic',
+                               mean=common.CLIP_MEAN, std=common.CLIP_STD)
+
+
 @models.MODELS.register(
     'vit_base_patch16_clip_224', key_map=KEY_MAP, layers=LAYERS,
     # LAION-2B CLIP's image tower (Cherti et al. 2023), fine-tuned on ImageNet-12k then 1k.
-    pretrained=common.pretrained_cfg('timm/vit_base_patch16_clip_224.laion2b_ft_in12k_in1k',
-                                     crop_pct=0.95, interpolation='bicubic',
-                                     mean=common.CLIP_MEAN, std=common.CLIP_STD))
+    pretrained=_clip_cfg('timm/vit_base_patch16_clip_224.laion2b_ft_in12k_in1k', 0.95))
 class ViTBaseClip(VisionTransformer):
   """CLIP's ViT-B/16 image tower (Radford et al. 2021) in timm's layout: ViT-B/16 with a
-  LayerNorm before the blocks and no bias in the patch embedding (86.6M parameters with 1,000
-  classes). OpenAI's own weights use QuickGELU (timm's `vit_base_patch16_clip_quickgelu_224`),
-  which this model does not have: load weights trained with GELU, as its default ones are."""
+  LayerNorm before the blocks, torch's LayerNorm epsilon (1e-5) and no bias in the patch
+  embedding (86.6M parameters with 1,000 classes). For weights trained with GELU, as its default
+  ones; OpenAI's own and MetaCLIP's use QuickGELU: `vit_base_patch16_clip_quickgelu_224`."""
   features, depth, num_heads = 768, 12, 12
-  pre_norm, patch_bias = True, False
+  pre_norm, patch_bias, norm_epsilon = True, False, 1e-5
+
+
+@models.MODELS.register(
+    'vit_base_patch16_clip_quickgelu_224', key_map=KEY_MAP, layers=LAYERS,
+    # MetaCLIP's image tower (Xu et al. 2024; timm's default tag of this model), without a
+    # classifier; OpenAI's is `timm/vit_base_patch16_clip_quickgelu_224.openai`.
+    pretrained=_clip_cfg('timm/vit_base_patch16_clip_224.metaclip_2pt5b', 1.0))
+class ViTBaseClipQuickGelu(ViTBaseClip):
+  """CLIP's ViT-B/16 image tower with QuickGELU in its MLPs, x * sigmoid(1.702 x): the
+  activation OpenAI's CLIP was trained with (86.6M parameters with 1,000 classes)."""
+  mlp_activation = staticmethod(common.quick_gelu)
 
 
 @models.MODELS.register(

@@ -80,6 +80,8 @@ TRANSFORMS: dict[str, Callable[[np.ndarray, nnx.Variable], np.ndarray]] = {
     # OIHW -> HWIO; a depthwise kernel (O, 1, H, W) becomes flax's (H, W, 1, O) alike.
     'conv': lambda array, variable: array.transpose(2, 3, 1, 0),
     'linear': lambda array, variable: array.T,  # (out, in) -> (in, out)
+    # A Linear on pooled features as the 1x1 convolution that computes it: (1, 1, in, out).
+    'linear_as_conv': lambda array, variable: array.T.reshape(variable.shape),
     'reshape': lambda array, variable: array.reshape(variable.shape),  # (C, 1, 1) -> (C,)
     'pos_embed': resample_pos_embed,
 }

@@ -1,7 +1,7 @@
 """The ViT families after the original (backbones/vit.py): DINOv2's, with and without registers,
 compute timm's logits from timm's weights, at their size and resampled to another; DeiT's with
 its distillation token, its logits and pooled features; CLIP's image tower (a LayerNorm before
-the blocks, no patch bias); SigLIP's (no class token, an attention-pool head)."""
+the blocks, no patch bias), with GELU or OpenAI's QuickGELU; SigLIP's (no class token, an attention-pool head)."""
 
 from flax import nnx
 import jax
@@ -60,7 +60,8 @@ def test_resample_pos_embed_without_prefix_rows_matches_timm(grid):
 
 
 @pytest.mark.parametrize('name', [*DINOV2, 'deit_small_distilled_patch16_224',
-                                  'vit_base_patch16_clip_224', 'vit_base_patch16_siglip_224'])
+                                  'vit_base_patch16_clip_224', 'vit_base_patch16_clip_quickgelu_224',
+                                  'vit_base_patch16_siglip_224'])
 def test_pretrained_cfg_is_timms_default(name):
   requires_extras('timm')
   import timm  # pylint: disable=g-import-not-at-top
@@ -99,6 +100,7 @@ def test_distillation_token_and_pre_norm_are_in_timms_layer_groups(name, stem):
 
 @pytest.mark.parametrize('name,size', [('deit_small_distilled_patch16_224', 64),
                                        ('vit_base_patch16_clip_224', 32),
+                                       ('vit_base_patch16_clip_quickgelu_224', 32),
                                        ('vit_base_patch16_siglip_224', 32)])
 def test_same_logits_pooled_features_and_parameters_as_timm(name, size, tmp_path):
   """DeiT's two heads averaged, as timm's at eval, its pooled features the two tokens' mean;

@@ -46,6 +46,21 @@ class SmallMobileNetV3(mobilenetv3.MobileNetV3):
   stem_features, conv_features, head_features = 8, 24, 32
 
 
+_SMALL_MOBILENET_V3_STAGES = (
+    (mobilenetv3.Blocks(1, 3, 1, 1, 8, False, nnx.relu),),
+    (mobilenetv3.Blocks(1, 5, 2, 3, 16, False, nnx.relu),
+     mobilenetv3.Blocks(1, 3, 1, 2.5, 16, True, mobilenetv3.hard_swish)))
+
+
+@models.MODELS.register('small_mobilenet_v3_for_test',
+                        key_map=mobilenetv3.torchvision_key_map(_SMALL_MOBILENET_V3_STAGES))
+class SmallMobileNetV3Torchvision(mobilenetv3.MobileNetV3):
+  # torchvision's layout and epsilon; its last convolution widens 6x, as torchvision's does.
+  stages = _SMALL_MOBILENET_V3_STAGES
+  stem_features, conv_features, head_features = 8, 96, 32
+  bn_epsilon = 1e-3
+
+
 @models.MODELS.register('small_vit_for_test', key_map=vit.KEY_MAP)  # Its weights import.
 class SmallViT(vit.VisionTransformer):
   features, depth, num_heads = 24, 2, 2
