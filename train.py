@@ -145,12 +145,16 @@ def _eval_batch_size(run: run_spec.Run, mesh: jax.sharding.Mesh) -> int:
   return size
 
 
-def _eval_batches(session: Session, evaluation_: evaluation.Evaluation):
-  """The sharded, masked eval batches of an evaluation's split; each example counts once."""
+def _eval_batches(session: Session, evaluation_: evaluation.Evaluation, reference: bool = False):
+  """The sharded, masked eval batches of an evaluation's split (or, with `reference`, of its
+  reference split; None if it has none); each example counts once."""
+  if reference and not evaluation_.reference:
+    return None
+  name = run_spec.reference_name(evaluation_.name) if reference else evaluation_.name
   return input_pipeline.open_eval_batches(
-      session.data, session.run.input, evaluation_.split,
-      session.data.eval_sizes[evaluation_.name], session.eval_batch_size,
-      evaluation_.preprocess, session.place)
+      session.data, session.run.input, evaluation_.reference if reference else evaluation_.split,
+      session.data.eval_sizes[name], session.eval_batch_size, evaluation_.preprocess,
+      session.place)
 
 
 def _open_splits(session: Session):
@@ -161,7 +165,8 @@ def _open_splits(session: Session):
   if not isinstance(train_split, input_pipeline.Streamed):
     input_pipeline.log_class_counts(train_split.labels, data.info.class_names,
                                     run.input.train_split)
-  return train_split, {candidate.name: _eval_batches(session, candidate)
+  return train_split, {candidate.name: (_eval_batches(session, candidate),
+                                        _eval_batches(session, candidate, reference=True))
                        for candidate in _evaluations(run, during_training=True)}
 
 
@@ -210,7 +215,7 @@ def _hooks(session: Session, loop: hooks.Loop, schedule, train_split, eval_batch
   if run.precise_bn_batches and state_lib.has_batch_norm(loop.state.model):
     run_hooks.append(hooks.PreciseBatchNorm(
         lambda epoch: _epoch_tail(session, train_split, loop.steps_per_epoch, epoch)))
-  run_hooks += [hooks.Evaluate(during, eval_batches[during.name], session.data.info,
+  run_hooks += [hooks.Evaluate(during, *eval_batches[during.name], session.data.info,
                                session.writer, train_metrics if during.name == 'eval' else None,
                                session.data.eval_sizes[during.name])
                 for during in _evaluations(run, during_training=True)]
@@ -265,7 +270,8 @@ def _evaluate_best(session: Session, at_end: evaluation.Evaluation,
   logging.info('Evaluating the best checkpoint (step %d) with %s on %r.', step, at_end.name,
                at_end.split)
   result = at_end.run(loop.state.eval_model(), _eval_batches(session, at_end),
-                      session.data.info, session.data.eval_sizes[at_end.name])
+                      session.data.info, session.data.eval_sizes[at_end.name],
+                      _eval_batches(session, at_end, reference=True))
   session.writer.write_scalars(loop.step, result.scalars)
   if result.images:
     session.writer.write_images(loop.step, result.images)

@@ -23,6 +23,12 @@ size/0.875 and the centre crop):
              by its shape);
   probe      the same with `--config.linear_probe=True --config.learning_rate=0.01`;
   random_probe  a linear probe on the random features of a fresh model (no init_from).
+and, without training, the target task's `--feature_evaluators` (`main.py --mode=eval`: kNN and
+few-shot accuracy of the pooled features, fitted on the target's training images, scored on its
+test images):
+  features   of the pretrained model (`--config.init_from`);
+  random_features  of timm's model with seeded random weights (saved as safetensors and
+             imported the same way).
 Prints a table (held-out accuracy after the last epoch, its steps, the run's wall time start-up
 included) and writes `--out` (`harness.write_json`: the figures and each arm's command).
 `--concurrent`
@@ -66,7 +72,9 @@ flags.DEFINE_bool('standardize', False, 'Standardise each image per channel, the
                   "by its skewness (`standardize(per_channel=True, polarity=True)`, the small-"
                   "folder recipe's), instead of ImageNet's normalisation: random colours then "
                   'say nothing.')
-flags.DEFINE_list('arms', ['scratch', 'finetune', 'probe', 'random_probe'], 'Target runs.')
+flags.DEFINE_list('arms', ['scratch', 'finetune', 'probe', 'random_probe'], 'Target runs, '
+                  'and the feature scores: features, random_features.')
+flags.DEFINE_string('feature_evaluators', 'knn(20)|fewshot(5)', 'What the feature arms score.')
 flags.DEFINE_bool('concurrent', False, 'Train the target arms at the same time (their wall '
                   'times then share the machine).')
 flags.DEFINE_enum('pretrain_with', 'app', ['app', 'timm'], 'Who pretrains: this app (the '
@@ -184,6 +192,37 @@ def train_arm(name: str, root: str, epochs: int, extra: list[str]) -> dict:
   return figures
 
 
+def save_random_timm(weights: str) -> str:
+  """timm's model with seeded random weights, its state_dict saved to `weights`."""
+  import safetensors.torch  # pylint: disable=g-import-not-at-top  (optional extras)
+  import timm  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  safetensors.torch.save_file(timm.create_model(FLAGS.model, pretrained=False).state_dict(),
+                              weights)
+  return weights
+
+
+def score_features(name: str, root: str, weights: str) -> dict:
+  """The feature evaluators of `weights` on root's test images, fitted on root/train, without
+  training (`main.py --mode=eval` of a workdir with only init_from): their figures and command."""
+  workdir = os.path.join(FLAGS.work, 'runs', name)
+  shutil.rmtree(workdir, ignore_errors=True)
+  args = [*command(root, workdir, 1, [f'--config.init_from={weights}']), '--mode=eval',
+          # accuracy (of the untrained head, not reported) for config.best_metric's sake.
+          f'--config.evaluators=accuracy|{FLAGS.feature_evaluators}']
+  child = harness.run_child(args, log_path=workdir + '.log')
+  with open(os.path.join(workdir, 'eval_test_0.json'), encoding='utf-8') as file:
+    report = json.load(file)
+  # Imports TensorFlow: after every use of timm (timm's import of triton crashes after it).
+  from training import evaluators  # pylint: disable=g-import-not-at-top
+  scored = evaluators.directions(evaluators.create(FLAGS.feature_evaluators))
+  figures = {'arm': name, **{metric: report['metrics'][f'eval/{metric}'] for metric in scored},
+             'wall_s': round(child.seconds, 1), 'command': shlex.join(['python', *args[1:]])}
+  print(json.dumps(figures), flush=True)
+  return figures
+
+
 def main(argv):
   del argv
   os.makedirs(os.path.join(FLAGS.work, 'runs'), exist_ok=True)
@@ -194,8 +233,12 @@ def main(argv):
   pretrain_run = os.path.join(FLAGS.work, 'runs', 'pretrain')
   pretrained = (pretrain_run if FLAGS.pretrain_with == 'app'
                 else pretrain_run + '.safetensors')
+  random_weights = (save_random_timm(os.path.join(FLAGS.work, 'runs', 'random.safetensors'))
+                    if 'random_features' in FLAGS.arms else None)  # timm before TensorFlow.
   rows = []
-  if not any('{pretrained}' in flag for arm in FLAGS.arms for flag in ARMS[arm]):
+  trained_arms = [arm for arm in FLAGS.arms if arm in ARMS]
+  if not ('features' in FLAGS.arms or any('{pretrained}' in flag for arm in trained_arms
+                                           for flag in ARMS[arm])):
     pass  # No arm starts from the pretrained model.
   elif FLAGS.keep_pretrained and os.path.exists(pretrain_run + '.json'):
     with open(pretrain_run + '.json', encoding='utf-8') as file:
@@ -212,14 +255,20 @@ def main(argv):
                                        [flag.format(pretrained=pretrained) for flag in ARMS[arm]])
   with concurrent.futures.ThreadPoolExecutor(max(len(FLAGS.arms), 1) if FLAGS.concurrent
                                              else 1) as pool:
-    rows += list(pool.map(train_target, FLAGS.arms))
+    rows += list(pool.map(train_target, trained_arms))
+  if 'features' in FLAGS.arms:
+    rows.append(score_features('features', target, pretrained))
+  if 'random_features' in FLAGS.arms:
+    rows.append(score_features('random_features', target, random_weights))
   print(f'\n{FLAGS.model} at {FLAGS.size} px; source {FLAGS.source} ({FLAGS.source_images} '
         f'images), target {FLAGS.target} ({FLAGS.target_images}); {FLAGS.test_images} test '
         'images each')
   print(harness.markdown_table(
       ['run', 'task', 'held-out accuracy', 'steps', 'wall time (s)'],
       [[row['arm'], FLAGS.source if row['arm'] == 'pretrain' else FLAGS.target,
-        f'{100 * row["accuracy"]:.2f}%', row['steps'], f'{row["wall_s"]:.0f}'] for row in rows],
+        ', '.join(f'{name} {100 * value:.2f}%' for name, value in row.items()
+                  if name == 'accuracy' or name.endswith('_accuracy')),
+        row.get('steps', 0), f'{row["wall_s"]:.0f}'] for row in rows],
       align='llrrr'))
   if FLAGS.out:
     harness.write_json(FLAGS.out, {

@@ -12,31 +12,20 @@ pooled features; the small reference models (cnn, mlp) are refused.
 """
 
 import csv
-import functools
 import os
 
 from absl import logging
-from flax import nnx
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from core import errors
 import models
 import modes
 from modes import predict
-import preprocessing
 from training import run_spec
+from training import state
 
 EMBEDDINGS_FILE = 'embeddings.npy'
 FILES_FILE = 'embeddings.csv'
-
-
-@functools.partial(nnx.jit, static_argnums=1)
-def _embeddings(model: nnx.Module, preprocess: preprocessing.Preprocessing,
-                images: jax.Array) -> jax.Array:
-  """The pooled features of a uint8 batch, scaled by `preprocess` in the same program."""
-  return model.pre_logits(preprocess.scale(images)).astype(jnp.float32)
 
 
 def embed(run: run_spec.Run, workdir: str, inputs: str | None,
@@ -54,7 +43,7 @@ def embed(run: run_spec.Run, workdir: str, inputs: str | None,
   images = predict.read_images(run, info, inputs)
   logging.info('Embedding %d images with the checkpoint at step %d.', len(images.files), step)
   paths, embeddings = predict.compute(
-      images, lambda batch: _embeddings(model, run.input.preprocess, batch), 'embedded')
+      images, lambda batch: state.features_of(model, run.input.preprocess, batch), 'embedded')
   if not paths:  # Every file passed the header check but failed to decode.
     raise errors.FlagError(f'No image under --inputs={inputs!r} decodes: pass readable images.',
                            flag='inputs', value=inputs)

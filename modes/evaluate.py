@@ -52,17 +52,24 @@ def evaluate_checkpoint(run: run_spec.Run, workdir: str,
   configured = run.evaluation('eval')
   scored = evaluation.Evaluation(
       configured.name, configured.split,
-      evaluators.with_report(list(configured.evaluators)), configured.preprocess)
-  data = input_pipeline.open_data(run.input, {'eval': run.eval_splits()['eval']})
+      evaluators.with_report(list(configured.evaluators)), configured.preprocess,
+      reference=configured.reference)
+  splits = run.eval_splits()
+  reference_name = run_spec.reference_name(scored.name)
+  data = input_pipeline.open_data(run.input, {name: splits[name] for name in splits
+                                              if name in ('eval', reference_name)})
   num_examples = data.eval_sizes[scored.name]
   applied = ''.join((f', temperature {temperature:.4f}' if temperature != 1.0 else '',
                      f', test-time augmentation {run.eval_tta!r}' if run.eval_tta else ''))
   print(f'Evaluating the checkpoint at step {step} on {data.info.name} {scored.split!r} '
         f'({num_examples} examples{applied}).', flush=True)
-  batches = input_pipeline.open_eval_batches(
-      data, run.input, scored.split, num_examples, parallel.round_up(run.eval_batch_size, mesh),
-      scored.preprocess, lambda batch: parallel.shard(batch, mesh))
-  result = scored.run(model, batches, info, num_examples)
+  def batches(split: str, size: int):
+    return input_pipeline.open_eval_batches(
+        data, run.input, split, size, parallel.round_up(run.eval_batch_size, mesh),
+        scored.preprocess, lambda batch: parallel.shard(batch, mesh))
+  reference = (batches(scored.reference, data.eval_sizes[reference_name]) if scored.reference
+               else None)
+  result = scored.run(model, batches(scored.split, num_examples), info, num_examples, reference)
   if jax.process_index() == 0:
     writer = metric_writers.SummaryWriter(os.path.join(workdir, EVAL_DIR))
     writer.write_scalars(step, result.scalars)

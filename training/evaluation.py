@@ -44,14 +44,20 @@ class Result:
 
 class Evaluation:
   """`evaluators` on `split`, its images prepared by `preprocess` (its deterministic stages),
-  run `every` EVERY_EPOCH, AT_END or every N training steps; its scalars are '<name>/...'."""
+  run `every` EVERY_EPOCH, AT_END or every N training steps; its scalars are '<name>/...'.
+  Evaluators of features are fitted on the `reference` split first (its images prepared alike)."""
 
   def __init__(self, name: str, split: str, evaluators: list[evaluators_lib.Evaluator],
-               preprocess: preprocessing.Preprocessing, every: str | int = EVERY_EPOCH):
+               preprocess: preprocessing.Preprocessing, every: str | int = EVERY_EPOCH,
+               reference: str | None = None):
     self.name, self.split, self.preprocess, self.every = name, split, preprocess, every
     self.evaluators = tuple(evaluators)  # As configured; the count of examples is added below.
     self._evaluators = [evaluators_lib.Count(), *evaluators]
-    self._eval_step = state_lib.make_eval_step(self._evaluators, preprocess)
+    self.reads_features = any(isinstance(evaluator, evaluators_lib.FeatureEvaluator)
+                              for evaluator in evaluators)
+    self.reference = reference if self.reads_features else None  # None: none needed.
+    self._eval_step = state_lib.make_eval_step(self._evaluators, preprocess,
+                                               features=self.reads_features)
 
   @property
   def directions(self) -> dict[str, bool]:
@@ -64,26 +70,42 @@ class Evaluation:
       return end_of_epoch
     return isinstance(self.every, int) and step % self.every == 0
 
-  def _initial_states(self, info: base.DatasetInfo) -> list:
-    return [evaluator.init(info) for evaluator in self._evaluators]
+  def _initial_states(self, info: base.DatasetInfo, model: nnx.Module | None = None,
+                      reference=None) -> list:
+    """The evaluators' states before the first batch; those of features fitted on the
+    `reference` batches' features by `model`."""
+    if self.reads_features:
+      started = time.time()
+      features, labels = reference_features(model, reference, self.preprocess)
+      logging.info('%s: the evaluators of features fitted on the pooled features of %d '
+                   'examples of %r (%.1fs).', self.name, len(labels), self.reference,
+                   time.time() - started)
+    return [evaluator.fit(features, labels, info)
+            if isinstance(evaluator, evaluators_lib.FeatureEvaluator) else evaluator.init(info)
+            for evaluator in self._evaluators]
 
   def compile(self, model: nnx.Module, batch_shapes: dict, info: base.DatasetInfo) -> None:
     """Compiles the eval step for batches of `batch_shapes` (`parallel.abstract_batch`), before
-    the data exists; the first real call reuses the executable."""
+    the data exists; the first real call reuses the executable. (With evaluators of features,
+    whose states' shapes come from the reference split, the first call compiles.)"""
+    if self.reads_features:
+      return
     with state_lib.eval_mode(model):
       self._eval_step.lower(model, self._initial_states(info), batch_shapes).compile()
 
   def run(self, model: nnx.Module, batches, info: base.DatasetInfo,
-          num_examples: int | None = None) -> Result:
+          num_examples: int | None = None, reference=None) -> Result:
     """Scores `model` in eval mode (running BatchNorm averages, no dropout) on every batch of
-    the split (padded, masked and sharded as `input_pipeline.eval_batches` gives them).
+    the split (padded, masked and sharded as `input_pipeline.eval_batches` gives them), after
+    fitting the evaluators of features on the `reference` split's batches (given alike).
 
     An evaluation longer than `PROGRESS_SECONDS` logs a progress line that often (batches the
     device has finished, with an ETA when `num_examples`, the split's size, is given); a batch
     that does not fit in memory ends the run with `errors.OutOfMemory` naming
     config.eval_batch_size."""
     start = time.time()
-    states = self._initial_states(info)
+    with state_lib.eval_mode(model):
+      states = self._initial_states(info, model, reference)
     finished = progress.Finished()
     watch = _EvalProgress(self, finished, num_examples)
     batch_size = None
@@ -110,6 +132,19 @@ class Evaluation:
     return Result(scalars={f'{self.name}/{name}': value for name, value in scalars.items()},
                   images={f'{self.name}/{name}': image for name, image in images.items()},
                   per_class=per_class, num_examples=scalars[evaluators_lib.Count.name])
+
+
+def reference_features(model: nnx.Module, batches,
+                       preprocess: preprocessing.Preprocessing) -> tuple[np.ndarray, np.ndarray]:
+  """The pooled features and labels of every example of `batches` (padding dropped), on the
+  host: what the evaluators of features are fitted on."""
+  features, labels = [], []
+  for batch in batches:
+    kept = parallel.to_host(batch['mask'])
+    features.append(parallel.to_host(state_lib.features_of(model, preprocess,
+                                                           batch['image']))[kept])
+    labels.append(parallel.to_host(batch['label'])[kept])
+  return np.concatenate(features), np.concatenate(labels)
 
 
 class _EvalProgress:

@@ -16,6 +16,10 @@ An evaluator is a class registered with `@EVALUATORS.register(name)`, built from
   `results(state, info)`  {scalar name: float};
   `images(state, info)`  {picture name: uint8 RGB array} for TensorBoard (default none);
   `per_class(state, info)`  {column: one value per class} for the eval report (default none).
+
+Evaluators of the pooled features rather than the logits (`knn(20)`, `fewshot(5)`) derive from
+`FeatureEvaluator`: they are fitted on a reference split first (`fit` in place of `init`) and
+read `batch['features']`.
 """
 
 from typing import Any
@@ -96,8 +100,25 @@ class Loss(Evaluator):
     return {'loss': float(state['sum'] / max(state['count'], 1))}
 
 
+class _HitRate(Evaluator):
+  """A base for evaluators whose scalar, `name`, is the share of examples that are hits."""
+
+  @staticmethod
+  def _zeros() -> State:
+    return {'correct': jnp.zeros((), jnp.int32), 'count': jnp.zeros((), jnp.int32)}
+
+  @staticmethod
+  def _counted(state: State, hit: jax.Array, batch: Batch) -> State:
+    """`state` with the batch's hits (`hit` where the batch is not padding) counted."""
+    return {**state, 'correct': state['correct'] + (hit & batch['mask']).sum(dtype=jnp.int32),
+            'count': state['count'] + _count(batch)}
+
+  def results(self, state, info):
+    return {self.name: float(state['correct'] / max(state['count'], 1))}
+
+
 @EVALUATORS.register('top_k')
-class TopK(Evaluator):
+class TopK(_HitRate):
   """The share of examples whose label is among the `k` highest logits: `top<k>_accuracy`."""
 
   def __init__(self, k: int = 5):
@@ -108,16 +129,11 @@ class TopK(Evaluator):
     self.directions = {self.name: True}
 
   def init(self, info):
-    return {'correct': jnp.zeros((), jnp.int32), 'count': jnp.zeros((), jnp.int32)}
+    return self._zeros()
 
   def update(self, state, logits, batch):
     _, top = jax.lax.top_k(logits, min(self.k, logits.shape[-1]))
-    hit = (top == batch['label'][:, None]).any(axis=-1) & batch['mask']
-    return {'correct': state['correct'] + hit.sum(dtype=jnp.int32),
-            'count': state['count'] + _count(batch)}
-
-  def results(self, state, info):
-    return {self.name: float(state['correct'] / max(state['count'], 1))}
+    return self._counted(state, (top == batch['label'][:, None]).any(axis=-1), batch)
 
 
 @EVALUATORS.register('accuracy')
@@ -284,6 +300,94 @@ class Misclassified(Evaluator):
     return {'misclassified': pictures.misclassified_grid(
         np.asarray(state['images'][:shown]), np.asarray(state['labels'][:shown]),
         np.asarray(state['predictions'][:shown]), info.class_names)}
+
+
+class FeatureEvaluator(Evaluator):
+  """A base for evaluators of the model's pooled features (`batch['features']`: the embedding
+  of --mode=embed) rather than its logits. Each is fitted first on the features and labels of a
+  reference split (the evaluation's `reference`, by default the training split, prepared as
+  eval prepares images): `fit` gives the state before the first batch, in place of `init`."""
+
+  def fit(self, features: np.ndarray, labels: np.ndarray, info: base.DatasetInfo) -> State:
+    raise NotImplementedError
+
+  def init(self, info):
+    raise TypeError(f'{type(self).__name__} starts from fit(features, labels, info).')
+
+
+def _normalized(features):
+  return features / jnp.maximum(jnp.linalg.norm(features, axis=-1, keepdims=True), 1e-12)
+
+
+@EVALUATORS.register('knn')
+class NearestNeighbours(FeatureEvaluator, _HitRate):
+  """The weighted k-nearest-neighbour accuracy of the pooled features, `knn<k>_accuracy`, as
+  DINO (Caron et al. 2021, after Wu et al. 2018) watches representations: each example's class
+  is the vote of the `k` reference examples whose features are nearest by cosine similarity s,
+  each weighing exp(s / `temperature`)."""
+
+  def __init__(self, k: int = 20, temperature: float = 0.07):
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+      raise ValueError(f'k={k!r} must be an integer >= 1')
+    if not isinstance(temperature, (int, float)) or temperature <= 0:
+      raise ValueError(f'temperature={temperature!r} must be a number > 0')
+    self.k, self.temperature = k, float(temperature)
+    self.name = f'knn{k}_accuracy'
+    self.directions = {self.name: True}
+
+  def fit(self, features, labels, info):
+    return {'bank': _normalized(jnp.asarray(features, jnp.float32)),
+            'labels': jnp.asarray(labels, jnp.int32), **self._zeros()}
+
+  def update(self, state, logits, batch):
+    similarity = _normalized(batch['features']) @ state['bank'].T
+    nearest, index = jax.lax.top_k(similarity, min(self.k, similarity.shape[-1]))
+    num_classes = logits.shape[-1]
+    votes = (jax.nn.one_hot(state['labels'][index], num_classes)
+             * jnp.exp(nearest / self.temperature)[..., None]).sum(axis=1)
+    return self._counted(state, votes.argmax(axis=-1) == batch['label'], batch)
+
+
+@EVALUATORS.register('fewshot')
+class FewShot(FeatureEvaluator, _HitRate):
+  """The linear few-shot accuracy of the pooled features, `fewshot<shots>_accuracy`, as
+  big_vision's few-shot evaluator (Kolesnikov et al. 2020) scores representations: a ridge
+  regression (`l2`) of the features onto one-hot targets in {-1, 1}, fitted in closed form on
+  `shots` reference examples of each class, drawn with `seed`; an example's class is its largest
+  output. The features are standardised by the shots' mean and deviation, with a constant
+  feature of 100 for the bias (large, so barely regularised), as big_vision does."""
+  BIAS = 100.0
+
+  def __init__(self, shots: int = 5, l2: float = 1024.0, seed: int = 0):
+    for name, value in (('shots', shots), ('seed', seed)):
+      if not isinstance(value, int) or isinstance(value, bool) or value < (name == 'shots'):
+        raise ValueError(f'{name}={value!r} must be an integer >= {int(name == "shots")}')
+    if not isinstance(l2, (int, float)) or l2 <= 0:
+      raise ValueError(f'l2={l2!r} must be a number > 0')
+    self.shots, self.l2, self.seed = shots, float(l2), seed
+    self.name = f'fewshot{shots}_accuracy'
+    self.directions = {self.name: True}
+
+  def fit(self, features, labels, info):
+    generator = np.random.default_rng(self.seed)
+    chosen = np.concatenate([generator.permutation(np.flatnonzero(labels == label))[:self.shots]
+                             for label in range(info.num_classes)])
+    x = np.asarray(features, np.float64)[chosen]
+    mean, std = x.mean(axis=0), x.std(axis=0) + 1e-5
+    x = np.pad((x - mean) / std, ((0, 0), (0, 1)), constant_values=self.BIAS)
+    y = 2.0 * np.eye(info.num_classes)[labels[chosen]] - 1.0
+    # Ridge regression in closed form, through the smaller of the two Gram matrices.
+    if len(x) >= x.shape[1]:
+      weights = np.linalg.solve(x.T @ x + self.l2 * np.eye(x.shape[1]), x.T @ y)
+    else:
+      weights = x.T @ np.linalg.solve(x @ x.T + self.l2 * np.eye(len(x)), y)
+    return {'mean': jnp.asarray(mean, jnp.float32), 'std': jnp.asarray(std, jnp.float32),
+            'weights': jnp.asarray(weights, jnp.float32), **self._zeros()}
+
+  def update(self, state, logits, batch):
+    x = (batch['features'] - state['mean']) / state['std']
+    outputs = x @ state['weights'][:-1] + self.BIAS * state['weights'][-1]
+    return self._counted(state, outputs.argmax(axis=-1) == batch['label'], batch)
 
 
 def create(spec: str, key: str = 'evaluators') -> list[Evaluator]:

@@ -256,11 +256,13 @@ class Evaluate(Hook):
   ANNOUNCE_SECONDS = 5.0
   after_save = True
 
-  def __init__(self, evaluation_: evaluation.Evaluation, batches, info: base.DatasetInfo,
-               writer: metric_writers.MetricWriter, train_metrics: TrainMetrics | None = None,
-               num_examples: int | None = None):
-    """`num_examples`: the split's size, for the ETA of a long evaluation's progress lines."""
+  def __init__(self, evaluation_: evaluation.Evaluation, batches, reference,
+               info: base.DatasetInfo, writer: metric_writers.MetricWriter,
+               train_metrics: TrainMetrics | None = None, num_examples: int | None = None):
+    """`reference`: the batches of the evaluation's reference split (None if it has none);
+    `num_examples`: the split's size, for the ETA of a long evaluation's progress lines."""
     self._evaluation, self._batches, self._info = evaluation_, batches, info
+    self._reference = reference
     self._num_examples = num_examples
     self._writer, self._train_metrics = writer, train_metrics
     self._since = time.time()  # The last line's time.
@@ -274,7 +276,7 @@ class Evaluate(Hook):
                    self._evaluation.split, loop.step)
     start = time.time()
     result = self._evaluation.run(loop.state.eval_model(), self._batches, self._info,
-                                  self._num_examples)
+                                  self._num_examples, self._reference)
     self._last_seconds = time.time() - start
     loop.metrics.update(result.scalars)
     self._writer.write_scalars(loop.step, result.scalars)

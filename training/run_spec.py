@@ -54,7 +54,7 @@ _CHOICES = {'in_memory': input_pipeline.IN_MEMORY, 'input_backend': input_pipeli
             'decoded_cache': input_pipeline.DECODED_CACHE,
             'nonfinite': optimizers.NONFINITE, 'eval_tta': (None, *calibration.TTA_CHOICES),
             'temperature_scaling': (False, True), 'linear_probe': (False, True)}
-_EVALUATION_KEYS = ('split', 'evaluators', 'preprocess', 'every')
+_EVALUATION_KEYS = ('split', 'evaluators', 'preprocess', 'every', 'reference')
 _EVALUATION_NAME = re.compile(r'[A-Za-z_][A-Za-z0-9_]*')
 
 
@@ -109,11 +109,20 @@ class Run:
         f'{[candidate.name for candidate in self.evaluations]}.', key='evaluations', value=name)
 
   def eval_splits(self) -> dict[str, input_pipeline.EvalSplit]:
-    """Each evaluation's split by evaluation name, for the data to check."""
+    """Each evaluation's split by evaluation name, and the reference split of one with
+    evaluators of features by '<name>/reference', for the data to check."""
     keys = {'eval': 'eval_split', 'test': 'test_split'}
-    return {candidate.name: input_pipeline.EvalSplit(
-        keys.get(candidate.name, f'evaluations.{candidate.name}.split'), candidate.split,
-        candidate.preprocess) for candidate in self.evaluations}
+    splits = {}
+    for candidate in self.evaluations:
+      key = keys.get(candidate.name, f'evaluations.{candidate.name}.split')
+      splits[candidate.name] = input_pipeline.EvalSplit(key, candidate.split,
+                                                        candidate.preprocess)
+      if candidate.reference:
+        reference_key = ('train_split' if candidate.reference == self.input.train_split
+                         else f'evaluations.{candidate.name}.reference')
+        splits[reference_name(candidate.name)] = input_pipeline.EvalSplit(
+            reference_key, candidate.reference, candidate.preprocess)
+    return splits
 
   def hparam_metrics(self) -> list[str]:
     """The metric columns of TensorBoard's HParams dashboard: every evaluation's scalars."""
@@ -333,6 +342,7 @@ class _EvaluationConfig:
   preprocess: str | None = None  # None: the run's.
   preprocess_key: str = 'preprocess'
   every: str | int = evaluation.EVERY_EPOCH
+  reference: str | None = None  # For evaluators of features; None: the training split.
 
 
 def _evaluations(config: ml_collections.ConfigDict,
@@ -349,11 +359,19 @@ def _evaluations(config: ml_collections.ConfigDict,
   for described in configured:
     built = evaluators.create(described.evaluators, described.evaluators_key)
     own = described.preprocess
+    reads_features = any(isinstance(built_one, evaluators.FeatureEvaluator)
+                         for built_one in built)
+    _require(not reads_features or hasattr(models.MODELS.entry(config.model).factory,
+                                           'pre_logits'),
+             described.evaluators_key, described.evaluators,
+             f'config.{described.evaluators_key}={described.evaluators!r} scores pooled '
+             f'features, which model {config.model!r} does not have: use them with a backbone '
+             '(resnet18, vit_small_patch16_224, ...).')
     if described.split:
       evaluations.append(evaluation.Evaluation(
           described.name, described.split, built,
           preprocess if own is None else preprocessing.parse(own, described.preprocess_key),
-          every=described.every))
+          every=described.every, reference=described.reference or config.train_split))
   return tuple(evaluations)
 
 
@@ -379,9 +397,19 @@ def _extra_evaluation(config: ml_collections.ConfigDict, name: str,
            f'{key}.every', every,
            f"config.{key}.every={every!r} is invalid: it must be 'epoch', 'end' or a number of "
            'steps >= 1.')
+  reference = section.get('reference')
+  _require(reference is None or (isinstance(reference, str) and bool(reference)),
+           f'{key}.reference', reference,
+           f"config.{key}.reference={reference!r} is invalid: give the split that evaluators of "
+           "features (knn, fewshot) are fitted on, such as 'train[:90%]'.")
   return _EvaluationConfig(
       name, split, f'{key}.split', section.get('evaluators') or config.evaluators,
-      f'{key}.evaluators', section.get('preprocess'), f'{key}.preprocess', every)
+      f'{key}.evaluators', section.get('preprocess'), f'{key}.preprocess', every, reference)
+
+
+def reference_name(evaluation_name: str) -> str:
+  """The name of an evaluation's reference split in `Run.eval_splits` and `Data.eval_sizes`."""
+  return f'{evaluation_name}/reference'
 
 
 def _checked_init_from(path: str | None) -> str | None:
