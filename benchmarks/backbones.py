@@ -36,8 +36,8 @@ The first lines printed, and the JSON, name the CPU, its ISA features (AVX2, AVX
 AVX512-BF16, AMX: `harness.machine`), the library versions and the load average
 (`uptime`'s) at the start and end; every row carries the 1-minute load when it started. On a
 CPU without AVX512-BF16 or AMX, bfloat16 is emulated and PyTorch's bfloat16 convolutions and
-matmuls run 10-400x slower than float32 (docs/performance.md): measure them at a smaller
---batch_size, in a run of their own (docs/backbone_speed.md).
+matmuls run many times slower than float32: measure them at a smaller --batch_size, in a run of
+their own.
 
 GPU (--device=cuda): JAX on its GPU backend (the venv needs jax[cuda]) with cpu_kernels off
 and PyTorch on CUDA; default configurations jax_off, torch_eager, torch_compile.
