@@ -4,7 +4,10 @@ A model is an `nnx.Module` class registered with `@MODELS.register(name)`, whose
 takes the image shape (height, width, channels), the number of classes, `layers` (the
 convolution, dense, batch-norm, dropout and pooling layers to build from, see `kernels`),
 `rngs`, and its own options as keyword arguments, which come from
-`config.model_options.<name>`. To add one: write the class here (or in a module of your own that
+`config.model_options.<name>`. A backbone also has `pre_logits(x)`, its pooled features
+(`--mode=embed`, the evaluators of features), and `logits(features)`, its classifier on them
+(`model(x) == model.logits(model.pre_logits(x))`: a linear probe of cached features trains it).
+To add one: write the class here (or in a module of your own that
 your config file imports) with the decorator. See docs/plugins.md.
 """
 

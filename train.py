@@ -22,6 +22,7 @@ import input_pipeline
 from training import calibration
 from training import checkpointing
 from training import evaluation
+from training import feature_cache
 from training import hooks
 from training import init_from
 from training import loggers
@@ -92,9 +93,7 @@ def train_and_evaluate(run: run_spec.Run, workdir: str) -> dict[str, float]:
       _resume(session, loop, run_hooks)
       logging.info('Training for %d epochs of %d steps (batch %d), from step %d.',
                    run.num_epochs, steps_per_epoch, run.batch_size, loop.step)
-      batches = input_pipeline.train_batches(
-          train_split, data, run.input, parallel.local_batch_size(run.batch_size),
-          *divmod(loop.step, steps_per_epoch))
+      batches = _train_batches(session, loop, train_split)
       hooks.run(loop, run_hooks, batches, train_step, session.place, run.batch_size)
     if signals.received is not None:
       raise runtime.Interrupted(signals.received, loop.step, checkpoints.directory)
@@ -188,16 +187,32 @@ def _compile(session: Session, state: state_lib.TrainState, class_counts):
   `class_counts()` gives the training examples of each class, for losses that need them."""
   logging.info('Compiling the train and eval steps.')
   run, info = session.run, session.data.info
+  probe_features = run.probe_views is not None
   train_step = state_lib.make_train_step(run.loss(info.num_classes, class_counts),
-                                         run.input.preprocess)
-  train_step.lower(state, parallel.abstract_batch(
-      input_pipeline.batch_layout(info, run.batch_size, train=run.input),
-      session.mesh)).compile()
+                                         run.input.preprocess, features=probe_features)
+  if not probe_features:  # The step of features compiles in moments, on its first batch.
+    train_step.lower(state, parallel.abstract_batch(
+        input_pipeline.batch_layout(info, run.batch_size, train=run.input),
+        session.mesh)).compile()
   eval_layout = parallel.abstract_batch(
       input_pipeline.batch_layout(info, session.eval_batch_size, mask=True), session.mesh)
   for during in _evaluations(run, during_training=True):
     during.compile(state.eval_model(), eval_layout, info)
   return train_step
+
+
+def _train_batches(session: Session, loop: hooks.Loop, train_split):
+  """The training batches from `loop.step` to the end: of images, or of a linear probe's
+  cached features (computed here, by the model as loaded)."""
+  run = session.run
+  batch_size = parallel.local_batch_size(run.batch_size)
+  start = divmod(loop.step, loop.steps_per_epoch)
+  if run.probe_views is None:
+    return input_pipeline.train_batches(train_split, session.data, run.input, batch_size, *start)
+  views = feature_cache.compute(loop.state.model, train_split, session.data, run.input,
+                                batch_size, loop.steps_per_epoch, run.probe_views,
+                                run.num_epochs, session.place)
+  return feature_cache.batches(views, run.seed, batch_size, *start, run.num_epochs)
 
 
 def _hooks(session: Session, loop: hooks.Loop, schedule, train_split, eval_batches: dict,

@@ -122,8 +122,11 @@ class ConvNeXt(nnx.Module):
       x = stage(x, self.remat)
     return self.head_norm(x.mean(axis=(1, 2)))
 
+  def logits(self, features: jax.Array) -> jax.Array:
+    return common.head(features, self.dropout, self.head)
+
   def __call__(self, x: jax.Array) -> jax.Array:
-    return common.head(self.pre_logits(x), self.dropout, self.head)
+    return self.logits(self.pre_logits(x))
 
 
 # Layers for layer-wise decay and linear probing, as timm's ConvNeXt.group_matcher (fine): a

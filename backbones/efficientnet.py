@@ -166,8 +166,11 @@ class EfficientNet(nnx.Module):
       x = common.run_blocks(stage, x, self.remat)
     return nnx.silu(self.bn2(self.conv_head(x))).mean(axis=(1, 2))
 
+  def logits(self, features: jax.Array) -> jax.Array:
+    return common.head(features, self.dropout, self.classifier)
+
   def __call__(self, x: jax.Array) -> jax.Array:
-    return common.head(self.pre_logits(x), self.dropout, self.classifier)
+    return self.logits(self.pre_logits(x))
 
 
 @models.MODELS.register(

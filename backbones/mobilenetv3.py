@@ -235,8 +235,11 @@ class MobileNetV3(nnx.Module):
     x = hard_swish(self.conv_head(x.mean(axis=(1, 2), keepdims=True)))
     return x.reshape(x.shape[0], -1)
 
+  def logits(self, features: jax.Array) -> jax.Array:
+    return common.head(features, self.dropout, self.classifier)
+
   def __call__(self, x: jax.Array) -> jax.Array:
-    return common.head(self.pre_logits(x), self.dropout, self.classifier)
+    return self.logits(self.pre_logits(x))
 
 
 @models.MODELS.register(

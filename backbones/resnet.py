@@ -121,8 +121,11 @@ class ResNet(nnx.Module):
       x = common.run_blocks(stage, x, self.remat)
     return x.mean(axis=(1, 2))
 
+  def logits(self, features: jax.Array) -> jax.Array:
+    return common.head(features, self.dropout, self.fc)
+
   def __call__(self, x: jax.Array) -> jax.Array:
-    return common.head(self.pre_logits(x), self.dropout, self.fc)
+    return self.logits(self.pre_logits(x))
 
 
 # timm's default weights of each (its first tag): torch's ResNet recipe A1 (Wightman et al.

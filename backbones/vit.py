@@ -242,9 +242,12 @@ class VisionTransformer(nnx.Module):
       return (_token(x, 0) + _token(x, 1)) / 2
     return _token(x, 0)
 
+  def logits(self, features: jax.Array) -> jax.Array:
+    return common.head(features, self.dropout, self.head)
+
   def __call__(self, x: jax.Array) -> jax.Array:
     if not self.distilled:
-      return common.head(self.pre_logits(x), self.dropout, self.head)
+      return self.logits(self.pre_logits(x))
     x = self._encoded(x)  # Each token through its head, the logits averaged (as timm's eval).
     return (common.head(_token(x, 0), self.dropout, self.head)
             + common.head(_token(x, 1), self.dropout, self.head_dist)) / 2
@@ -356,6 +359,7 @@ class DeiTSmallDistilled(VisionTransformer):
   fine-tuning (22.4M parameters with 1,000 classes)."""
   features, depth, num_heads = 384, 12, 6
   distilled = True
+  logits = None  # Its two heads take a token each, not the pooled features (their mean).
 
 
 def _clip_cfg(hf_hub_id: str, crop_pct: float) -> dict:

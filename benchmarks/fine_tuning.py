@@ -21,7 +21,12 @@ size/0.875 and the centre crop):
   scratch    the target task from scratch (`--epochs`);
   finetune   the same, `--config.init_from=<pretrain workdir or .safetensors>` (the new head
              by its shape);
-  probe      the same with `--config.linear_probe=True --config.learning_rate=0.01`;
+  probe      the same with `--config.linear_probe=True --config.learning_rate=0.01`: the
+             head trained on the backbone's features of the eval crops, computed once;
+  probe_views  the same on `--epochs` cached views through the random ops (epoch e's
+             augmented images, as the epoch loop sees them; `--config.linear_probe_views`);
+  probe_loop  the same without the cache (`--config.linear_probe_cache=False`): the whole
+             model at every step, on the augmented images;
   random_probe  a linear probe on the random features of a fresh model (no init_from).
 and, without training, the target task's `--feature_evaluators` (`main.py --mode=eval`: kNN and
 few-shot accuracy of the pooled features, fitted on the target's training images, scored on its
@@ -90,6 +95,10 @@ ARMS = {'scratch': [],
         'finetune': ['--config.init_from={pretrained}'],
         'probe': ['--config.init_from={pretrained}', '--config.linear_probe=True',
                   '--config.learning_rate=0.01'],
+        'probe_views': ['--config.init_from={pretrained}', '--config.linear_probe=True',
+                        '--config.learning_rate=0.01', '--config.linear_probe_views={epochs}'],
+        'probe_loop': ['--config.init_from={pretrained}', '--config.linear_probe=True',
+                       '--config.learning_rate=0.01', '--config.linear_probe_cache=False'],
         'random_probe': ['--config.linear_probe=True', '--config.learning_rate=0.01']}
 
 
@@ -252,7 +261,8 @@ def main(argv):
     rows = [train_arm('pretrain', source, FLAGS.pretrain_epochs,
                       [] if rate is None else [f'--config.learning_rate={rate}'])]
   train_target = lambda arm: train_arm(arm, target, FLAGS.epochs,
-                                       [flag.format(pretrained=pretrained) for flag in ARMS[arm]])
+                                       [flag.format(pretrained=pretrained, epochs=FLAGS.epochs)
+                                        for flag in ARMS[arm]])
   with concurrent.futures.ThreadPoolExecutor(max(len(FLAGS.arms), 1) if FLAGS.concurrent
                                              else 1) as pool:
     rows += list(pool.map(train_target, trained_arms))

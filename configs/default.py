@@ -129,6 +129,13 @@ def get_config() -> ml_collections.ConfigDict:
   # Linear probing: train the model's head alone (the rest frozen, BatchNorm statistics kept).
   # Models that declare their layers (the backbones: resnet18, vit_*, convnext_tiny, ...).
   config.linear_probe = False
+  # A linear probe's fast path: the frozen backbone's pooled features of each training image are
+  # computed once and cached, and the head trains on them (training/feature_cache.py); False runs
+  # the whole model at every step (as Mixup and CutMix need).
+  config.linear_probe_cache = True
+  # The cached views of each training image: 0 = the image as eval prepares it; N = N views
+  # through config.preprocess's random ops (epoch e trains on view e mod N).
+  config.linear_probe_views = 0
   # Layer-wise learning-rate decay: layer i of 0..L (stem, blocks, head) learns at
   # layer_decay ** (L - i) times the rate (timm's --layer-decay, e.g. 0.75); 1 = off. Needs a
   # model that declares its layers, as linear_probe.

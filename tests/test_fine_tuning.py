@@ -2,6 +2,7 @@
 learning-rate multipliers, class weights, Mixup/CutMix, any optax optimizer, clipping,
 schedules."""
 
+import dataclasses
 import os
 import shutil
 
@@ -34,8 +35,7 @@ from tests.helpers.plugins import stripes_config
 from tests.helpers.build import INFO
 from tests.helpers.build import create
 from tests.helpers.build import random_batch
-from tests.helpers.runs import saved
-from tests.helpers.runs import train_until_a_sigterm_at
+from tests.helpers.runs import assert_resumes_bit_exactly
 from tests.helpers import build
 import image_folders
 
@@ -312,17 +312,9 @@ def _vit_photos(root: str, **overrides):
 def test_a_resumed_vit_run_ends_bit_exactly_like_an_uninterrupted_one(tmp_path, monkeypatch):
   """Stopped mid-epoch (as by a SIGTERM) and resumed, a ViT fine-tuning run (random resized
   crops, drop-path, dropout, layer-wise decay, the EMA) ends in the uninterrupted state."""
-  config = _vit_photos(str(tmp_path / 'photos'))
-  whole, halves = str(tmp_path / 'whole'), str(tmp_path / 'halves')
-  train.train_and_evaluate(run_spec.resolve(config), whole)
-  train_until_a_sigterm_at(9, config, halves, monkeypatch)  # 6 steps an epoch.
-  assert saved(halves)[0] == 9
-  train.train_and_evaluate(run_spec.resolve(config), halves)
-  (step, state), (resumed_step, resumed) = saved(whole), saved(halves)
-  assert step == resumed_step == 12
+  state = assert_resumes_bit_exactly(_vit_photos(str(tmp_path / 'photos')), tmp_path,
+                                     monkeypatch, 9, 12)  # 6 steps an epoch.
   assert any('ema' in name for name in state) and any('blocks' in name for name in state)
-  for name, value in state.items():
-    np.testing.assert_array_equal(resumed[name], value, err_msg=name)
 
 
 @models.MODELS.register('resnet10_for_test', key_map=resnet.KEY_MAP, layers=resnet.LAYERS)
@@ -366,3 +358,64 @@ def test_a_linear_probe_uses_the_imported_features(tmp_path):
   print(f"probe on imported features {imported['eval/accuracy']:.3f}, on random features "
         f"{random['eval/accuracy']:.3f}")
   assert imported['eval/accuracy'] >= random['eval/accuracy'] + 0.15, (imported, random)
+
+
+def test_the_step_of_cached_features_updates_the_head_as_the_step_of_images(tmp_path):
+  """A linear probe's step on cached features (the backbone's, as eval computes them) makes the
+  update its step on the images makes (without drop-path): the head's alone."""
+  config = _probe_config(str(tmp_path), linear_probe=True, learning_rate=0.1)
+  config.model_options.resnet10_for_test = {}
+  run = run_spec.resolve(config)
+  info = dataclasses.replace(INFO, image_shape=(32, 32, 3), num_classes=3)
+  loss = run.loss(info.num_classes)
+  rng = np.random.default_rng(0)
+  images = rng.integers(0, 256, (8, 32, 32, 3), dtype=np.uint8)
+  labels = rng.integers(0, 3, 8).astype(np.int32)
+  of_images, of_features = (build.create_state(config, info, 1) for _ in range(2))
+  before = _params(of_images)
+  state_lib.make_train_step(loss, run.input.preprocess)(of_images,
+                                                       {'image': images, 'label': labels})
+  with state_lib.eval_mode(of_features.model):
+    features = state_lib.features_of(of_features.model, run.input.preprocess, images)
+  state_lib.make_train_step(loss, run.input.preprocess, features=True)(
+      of_features, {'features': features, 'label': labels})
+  after_images, after_features = _params(of_images), _params(of_features)
+  assert {name for name, value in after_images.items()
+          if not np.array_equal(value, before[name])} == {'fc.kernel', 'fc.bias'}
+  for name, value in after_images.items():
+    np.testing.assert_allclose(after_features[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def _params(state) -> dict[str, np.ndarray]:
+  return {optimizers.path_name(path): np.asarray(value) for path, value in
+          jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(state.model,
+                                                                         nnx.Param)))}
+
+
+@pytest.mark.parametrize('overrides,key', [
+    ({'mixup_alpha': 0.2}, 'mixup_alpha'),
+    ({'model': 'deit_small_distilled_patch16_224'}, 'linear_probe_cache'),
+    ({'linear_probe_views': 2, 'preprocess': 'resize(32)'}, 'linear_probe_views'),
+    ({'linear_probe_views': -1}, 'linear_probe_views')])
+def test_a_cached_linear_probe_refuses_what_it_cannot_cache(tmp_path, overrides, key):
+  config = _probe_config(str(tmp_path), linear_probe=True, **overrides)
+  with pytest.raises(errors.ConfigError) as error:
+    run_spec.resolve(config)
+  assert error.value.key == key
+  config.linear_probe_cache = False  # The whole model at every step takes them all.
+  if key != 'linear_probe_views' or config.linear_probe_views >= 0:
+    run_spec.resolve(config)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('views', [0, 2])
+def test_a_resumed_cached_linear_probe_ends_bit_exactly_like_an_uninterrupted_one(
+    tmp_path, monkeypatch, views):
+  """Stopped mid-epoch (as by a SIGTERM) and resumed, a linear probe of cached features (of the
+  eval images, or of 2 augmented views) ends in the uninterrupted run's state."""
+  root = str(tmp_path / 'photos')
+  image_folders.make_shapes_folder(root, {'train': 32, 'test': 8}, image_sizes=(32, 48),
+                                   corrupt=False)
+  config = _probe_config(root, linear_probe=True, linear_probe_views=views, num_epochs=3,
+                         learning_rate=0.01, preprocess='resize(32)|flip_lr', ema_decay=0.9)
+  assert_resumes_bit_exactly(config, tmp_path, monkeypatch, 9, 18)  # 6 steps an epoch.

@@ -18,6 +18,7 @@ from training import run_spec
 from tests.helpers.runs import saved
 from tests.helpers.build import create
 from tests.helpers.build import random_batch
+from tests.helpers.runs import assert_resumes_bit_exactly
 from tests.helpers.runs import train_until_a_sigterm_at
 
 
@@ -168,16 +169,7 @@ def test_a_resumed_run_with_every_training_option_ends_bit_exactly(tfds_data_dir
       lr_multipliers={'linear2': 2.0}, grad_clip_norm=1.0, schedule='step', ema_decay=0.9,
       init_from=source, init_exclude=('linear2',),
       loss_options={'cross_entropy': {'label_smoothing': 0.1, 'class_weights': 'balanced'}})
-  whole, halves = str(tmp_path / 'whole'), str(tmp_path / 'halves')
-  train.train_and_evaluate(run_spec.resolve(config), whole)
-
-  train_until_a_sigterm_at(21, config, halves, monkeypatch)
-  assert saved(halves)[0] == 21
-  train.train_and_evaluate(run_spec.resolve(config), halves)
-  (step, state), (resumed_step, resumed) = saved(whole), saved(halves)
-  assert step == resumed_step == 32
-  for name, value in state.items():
-    np.testing.assert_array_equal(resumed[name], value, err_msg=name)
+  assert_resumes_bit_exactly(config, tmp_path, monkeypatch, 21, 32)
 
 
 @pytest.mark.slow

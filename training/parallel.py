@@ -84,6 +84,13 @@ def to_host(array: jax.Array) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
+def to_process_local(array: jax.Array) -> np.ndarray:
+  """This process's rows of a global `array` split along 'data' (`shard`'s inverse), on the
+  host."""
+  return np.asarray(multihost_utils.global_array_to_host_local_array(
+      array, array.sharding.mesh, P('data')))
+
+
 def sum_over_processes(array: np.ndarray) -> np.ndarray:
   """The sum of each process's `array` (every process calls it: a collective)."""
   if jax.process_count() == 1:

@@ -41,19 +41,20 @@ from training import evaluators
 from training import loggers
 from training import losses
 from training import optimizers
-from training import workdirs
 
 # Keys whose value is an integer >= 1, and >= 0.
 _COUNTS = ('batch_size', 'num_epochs', 'log_every_steps',
            'shuffle_buffer_size', 'checkpoint_every_steps', 'max_checkpoints_to_keep',
            'grad_accum_steps')
-_NON_NEGATIVE = ('early_stopping_patience', 'profile_steps', 'precise_bn_batches')
+_NON_NEGATIVE = ('early_stopping_patience', 'profile_steps', 'precise_bn_batches',
+                 'linear_probe_views')
 # config.eval_batch_size=None: this many training batches per eval step, at most the cap.
 EVAL_BATCHES_PER_STEP, EVAL_BATCH_CAP = 4, 1000
 _CHOICES = {'in_memory': input_pipeline.IN_MEMORY, 'input_backend': input_pipeline.INPUT_BACKENDS,
             'decoded_cache': input_pipeline.DECODED_CACHE,
             'nonfinite': optimizers.NONFINITE, 'eval_tta': (None, *calibration.TTA_CHOICES),
-            'temperature_scaling': (False, True), 'linear_probe': (False, True)}
+            'temperature_scaling': (False, True), 'linear_probe': (False, True),
+            'linear_probe_cache': (False, True)}
 _EVALUATION_KEYS = ('split', 'evaluators', 'preprocess', 'every', 'reference')
 _EVALUATION_NAME = re.compile(r'[A-Za-z_][A-Za-z0-9_]*')
 
@@ -97,6 +98,9 @@ class Run:
   early_stopping_min_delta: float
   init_from: str | None
   init_exclude: tuple[str, ...]
+  # A linear probe's cached views (feature_cache.compute; 0: as eval prepares the images), or
+  # None: the whole model runs at every step.
+  probe_views: int | None
   loggers: str  # Where metrics go ('tensorboard|jsonl|...': training/loggers.py).
 
   def evaluation(self, name: str) -> evaluation.Evaluation:
@@ -190,6 +194,7 @@ def resolve(config: ml_collections.ConfigDict) -> Run:
       early_stopping_patience=config.early_stopping_patience,
       early_stopping_min_delta=config.early_stopping_min_delta,
       init_from=_checked_init_from(config.init_from), init_exclude=tuple(config.init_exclude),
+      probe_views=_probe_views(config, preprocess),
       loggers=loggers.check(config.loggers))
 
 
@@ -210,6 +215,28 @@ def _preprocessing(config: ml_collections.ConfigDict) -> preprocessing.Preproces
                'predict and export take the centre crop.', config.init_from, config.model,
                source, pretrained['crop_pct'], pretrained['interpolation'], spec)
   return preprocessing.parse(spec)
+
+
+def _probe_views(config: ml_collections.ConfigDict,
+                 preprocess: preprocessing.Preprocessing) -> int | None:
+  """config.linear_probe_views if a linear probe trains on cached features, else None; checks
+  that the model, the mixing and the random ops allow them."""
+  if not (config.linear_probe and config.linear_probe_cache):
+    return None
+  fix = 'or config.linear_probe_cache=False (the whole model at every step)'
+  for key in ('mixup_alpha', 'cutmix_alpha'):
+    _require(not config[key], key, config[key],
+             f'config.{key}={config[key]!r} mixes the images of a batch, whose features a linear '
+             f'probe cannot cache: set {key}=0, {fix}.')
+  _require(getattr(models.MODELS.entry(config.model).factory, 'logits', None) is not None,
+           'linear_probe_cache', True,
+           f'A linear probe of cached features trains the classifier on pooled features, which '
+           f'model {config.model!r} does not take (model.logits): set {fix}.')
+  views = config.linear_probe_views
+  _require(not views or preprocess.random_ops or preprocess.crop_op, 'linear_probe_views', views,
+           f'config.linear_probe_views={views} caches augmented views, but config.preprocess '
+           f'has no random ops to draw them: set linear_probe_views=0.')
+  return views
 
 
 def _check_values(config: ml_collections.ConfigDict) -> None:

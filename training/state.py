@@ -161,18 +161,24 @@ def eval_mode(model: nnx.Module):
         setattr(module, name, value)
 
 
-def make_train_step(loss: losses.Loss, preprocess: preprocessing.Preprocessing
-                    ) -> Callable[[TrainState, Batch], None]:
+def make_train_step(loss: losses.Loss, preprocess: preprocessing.Preprocessing,
+                    features: bool = False) -> Callable[[TrainState, Batch], None]:
   """The compiled train step for `loss`: one update of the state on one batch, in place, its
-  images scaled by `preprocess` first."""
+  images scaled by `preprocess` first; with `features`, on a batch of pooled features instead
+  of images ('features': a linear probe's cache), through the classifier alone
+  (`model.logits`)."""
 
   @nnx.jit(donate_argnums=0)
   def train_step(state: TrainState, batch: Batch) -> None:
     targets = batch.get('target', batch['label'])  # Soft targets of mixed batches.
-    images = preprocess.scale(batch['image'])
+    if features:
+      forward = lambda model: model.logits(batch['features'])
+    else:
+      images = preprocess.scale(batch['image'])
+      forward = lambda model: model(images)
 
     def loss_fn(model):
-      logits = model(images).astype(jnp.float32)  # The loss in float32, whatever the model
+      logits = forward(model).astype(jnp.float32)  # The loss in float32, whatever the model
       return loss(logits, targets).mean(), logits  # computes in.
 
     (_, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(state.model)

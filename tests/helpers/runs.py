@@ -55,6 +55,22 @@ def train_until_a_sigterm_at(stop_step: int, config, workdir: str, monkeypatch) 
       train.train_and_evaluate(run_spec.resolve(config), workdir)
 
 
+def assert_resumes_bit_exactly(config, tmp_path, monkeypatch, stop_step: int,
+                               last_step: int) -> dict:
+  """Trains `config` whole, and again stopped at `stop_step` (as by a SIGTERM) then resumed:
+  both end at `last_step` in the same state, which is returned ({leaf name: array})."""
+  whole, halves = str(tmp_path / 'whole'), str(tmp_path / 'halves')
+  train.train_and_evaluate(run_spec.resolve(config), whole)
+  train_until_a_sigterm_at(stop_step, config, halves, monkeypatch)
+  assert saved(halves)[0] == stop_step
+  train.train_and_evaluate(run_spec.resolve(config), halves)
+  (step, state), (resumed_step, resumed) = saved(whole), saved(halves)
+  assert step == resumed_step == last_step
+  for name, value in state.items():
+    np.testing.assert_array_equal(resumed[name], value, err_msg=name)
+  return state
+
+
 def free_port() -> int:
   with socket.socket() as sock:
     sock.bind(('127.0.0.1', 0))
