@@ -49,9 +49,10 @@ EXTRAS = {'saved_model': (), 'onnx': ('jax2onnx', 'onnxruntime'), 'tflite': ('ai
           'stablehlo': ()}
 BUILT_IN = tuple(EXTRAS)  # The formats of modes/export/ (a test registers one more).
 def _family(name: str) -> type:
-  """The class that model `name` is a size of (its own class for a model registered alone)."""
-  cls = models.MODELS.entry(name).factory
-  return cls if cls.__mro__[1] is nnx.Module else cls.__mro__[1]
+  """The class that model `name` is a variant of: the first of its classes below nnx.Module
+  (its own class for a model registered alone)."""
+  classes = models.MODELS.entry(name).factory.__mro__
+  return classes[classes.index(nnx.Module) - 1]
 
 
 def _config(root: str, model: str = 'cnn', image_size: int = SIZE):

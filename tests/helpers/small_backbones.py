@@ -9,6 +9,7 @@ instead of minutes. Importing this module registers them.
 
 from flax import nnx
 
+from backbones import common
 from backbones import convnext
 from backbones import efficientnet
 from backbones import mobilenetv3
@@ -87,6 +88,14 @@ class SmallSiglip(vit.VisionTransformer):
   class_token, global_pool = False, 'map'
 
 
-FAMILIES = ('small_convnext_for_test', 'small_deit_for_test', 'small_dinov2_for_test',
-            'small_efficientnet_for_test', 'small_mobilenetv3_for_test', 'small_resnet_for_test',
-            'small_siglip_for_test', 'small_vit_for_test')
+@models.MODELS.register('small_clip_quickgelu_for_test')
+class SmallClipQuickGelu(vit.VisionTransformer):
+  # OpenAI CLIP's: a LayerNorm before the blocks, no patch bias, torch's epsilon, QuickGELU.
+  features, depth, num_heads = 24, 2, 2
+  pre_norm, patch_bias, norm_epsilon = True, False, 1e-5
+  mlp_activation = staticmethod(common.quick_gelu)
+
+
+FAMILIES = ('small_clip_quickgelu_for_test', 'small_convnext_for_test', 'small_deit_for_test',
+            'small_dinov2_for_test', 'small_efficientnet_for_test', 'small_mobilenetv3_for_test',
+            'small_resnet_for_test', 'small_siglip_for_test', 'small_vit_for_test')
