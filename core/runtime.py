@@ -128,9 +128,9 @@ def keep_freed_memory() -> bool:
   trimming, and blocks up to `MMAP_THRESHOLD` from that arena keep that memory mapped and
   reused. Larger blocks still get their own `mmap`: kept in the arena too, the blocks of a
   224-px backbone's step fragmented it until the process held several times the step's memory,
-  while the page faults of blocks that large are small beside their step's compute. Python's own allocations are unaffected. Measured on
-  XLA:CPU only (docs/performance.md), hence `tune_malloc_for_cpu`. Does nothing where libc is
-  not glibc.
+  while the page faults of blocks that large are small beside their step's compute. Python's
+  own allocations are unaffected. Measured on XLA:CPU only (docs/performance.md), hence
+  `tune_malloc_for_cpu`. Does nothing where libc is not glibc.
   """
   if not sys.platform.startswith('linux'):
     return False

@@ -53,8 +53,7 @@ class Evaluation:
     self.name, self.split, self.preprocess, self.every = name, split, preprocess, every
     self.evaluators = tuple(evaluators)  # As configured; the count of examples is added below.
     self._evaluators = [evaluators_lib.Count(), *evaluators]
-    self.reads_features = any(isinstance(evaluator, evaluators_lib.FeatureEvaluator)
-                              for evaluator in evaluators)
+    self.reads_features = evaluators_lib.reads_features(evaluators)
     self.reference = reference if self.reads_features else None  # None: none needed.
     self._eval_step = state_lib.make_eval_step(self._evaluators, preprocess,
                                                features=self.reads_features)

@@ -315,6 +315,11 @@ class FeatureEvaluator(Evaluator):
     raise TypeError(f'{type(self).__name__} starts from fit(features, labels, info).')
 
 
+def reads_features(evaluators: list[Evaluator]) -> bool:
+  """Whether any of `evaluators` scores the pooled features (a `FeatureEvaluator`)."""
+  return any(isinstance(evaluator, FeatureEvaluator) for evaluator in evaluators)
+
+
 def _normalized(features):
   return features / jnp.maximum(jnp.linalg.norm(features, axis=-1, keepdims=True), 1e-12)
 

@@ -386,9 +386,7 @@ def _evaluations(config: ml_collections.ConfigDict,
   for described in configured:
     built = evaluators.create(described.evaluators, described.evaluators_key)
     own = described.preprocess
-    reads_features = any(isinstance(built_one, evaluators.FeatureEvaluator)
-                         for built_one in built)
-    _require(not reads_features or hasattr(models.MODELS.entry(config.model).factory,
+    _require(not evaluators.reads_features(built) or hasattr(models.MODELS.entry(config.model).factory,
                                            'pre_logits'),
              described.evaluators_key, described.evaluators,
              f'config.{described.evaluators_key}={described.evaluators!r} scores pooled '
