@@ -1,8 +1,9 @@
-"""Train-step speed of this app's ImageNet backbones against timm's in PyTorch, same machine.
+"""Train-step and inference speed of this app's ImageNet backbones against timm's in PyTorch,
+same machine.
 
-    python -m benchmarks.backbones --json=backbones.json \
+    python -m benchmarks.backbones --json=backbones.json [--task=train|inference] \
       [--models=resnet50,vit_small_patch16_224] [--dtypes=float32,bfloat16] \
-      [--configurations=jax_auto,jax_off,torch_eager,torch_compile] \
+      [--configurations=jax_auto,jax_off,torch_eager,torch_compile,onnxruntime] \
       [--batch_size=32] [--image_size=224] [--warmup=3] [--steps=5] [--rounds=3] [--device=cpu]
 
 --models=toy_resnet is a ResNet of one basic block per stage and 8-32 features, built alike in
@@ -29,6 +30,13 @@ Configurations:
       weight decay 0.05), cross-entropy with label smoothing 0.1, `timm.utils.ModelEmaV3`
       (decay 0.99); bfloat16 through `torch.autocast`; `torch.compile(model)` in default mode
       for torch_compile, compiled cold in its own inductor cache (as JAX compiles cold).
+--task=inference times, instead of a train step, the class probabilities of a batch of uint8
+images (decoded, resized and cropped: what --mode=predict and eval hand the model), e.g. at
+--batch_size=64: jax_auto and jax_off run predict's own program (`modes.predict.probabilities`:
+the scale stage, the model, the softmax); torch_eager and torch_compile run timm's model under
+`torch.inference_mode()` on the same uint8 batch (scaled and normalised with its statistics in
+PyTorch, then the softmax; compiled whole); onnxruntime runs this app's ONNX export of the model
+(`--mode=export --export_format=onnx`'s file, logits) in ONNX Runtime, with its default threads.
 Threads: every child uses all the cores it may run on (PyTorch's intra-op threads are set to
 them; XLA:CPU's pool takes them by default); each child reports its count.
 
@@ -56,9 +64,11 @@ from absl import flags
 from benchmarks import harness
 
 FLAGS = flags.FLAGS
-CONFIGURATIONS = ('jax_auto', 'jax_off', 'torch_eager', 'torch_compile')
-DEFAULT_CONFIGURATIONS = {'cpu': CONFIGURATIONS,
-                          'cuda': ('jax_off', 'torch_eager', 'torch_compile')}
+CONFIGURATIONS = ('jax_auto', 'jax_off', 'torch_eager', 'torch_compile', 'onnxruntime')
+# By --task, then --device. ONNX Runtime runs the app's ONNX export: inference only.
+DEFAULT_CONFIGURATIONS = {
+    'train': {'cpu': CONFIGURATIONS[:4], 'cuda': ('jax_off', 'torch_eager', 'torch_compile')},
+    'inference': {'cpu': CONFIGURATIONS, 'cuda': ('jax_off', 'torch_eager', 'torch_compile')}}
 # The toy model: timm's ResNet and this app's, one basic block per stage, these widths.
 TOY_MODEL, TOY_WIDTHS = 'toy_resnet', (8, 16, 24, 32)
 NUM_CLASSES = 1000  # ImageNet's head, as the models are published.
@@ -70,20 +80,23 @@ def define_flags() -> None:
   beside other benchmarks, whose flags share names)."""
   flags.DEFINE_string('json', None, 'Where to write the figures (after every row).')
   flags.mark_flag_as_required('json')
-  flags.DEFINE_enum('device', 'cpu', ['cpu', 'cuda'], 'Where PyTorch and JAX train.')
+  flags.DEFINE_enum('device', 'cpu', ['cpu', 'cuda'], 'Where PyTorch and JAX run.')
+  flags.DEFINE_enum('task', 'train', ['train', 'inference'], 'What is timed: a train step, or '
+                    'the class probabilities of a batch (--mode=predict and eval).')
   flags.DEFINE_integer('rounds', 3, 'Rounds of every configuration; figures are medians.',
                        lower_bound=1)
   flags.DEFINE_list('models', ['resnet50', 'vit_small_patch16_224'],
                     "Models, by timm's names (registered in this app under the same names).")
   flags.DEFINE_list('dtypes', ['float32', 'bfloat16'], 'What the models compute in.')
-  flags.DEFINE_list('configurations', None, 'What to run (default: all for --device): '
-                    'jax_auto, jax_off, torch_eager, torch_compile.')
-  flags.DEFINE_integer('batch_size', 32, 'Images per train step.', lower_bound=1)
+  flags.DEFINE_list('configurations', None, 'What to run (default: all for --task and '
+                    '--device): jax_auto, jax_off, torch_eager, torch_compile, onnxruntime '
+                    '(inference).')
+  flags.DEFINE_integer('batch_size', 32, 'Images per step.', lower_bound=1)
   flags.DEFINE_integer('image_size', 224, 'Height and width of the images.', lower_bound=16)
   flags.DEFINE_integer('warmup', 3, 'Untimed steps first (the first compiles).', lower_bound=1)
   flags.DEFINE_integer('steps', 5, 'Timed steps; the figure is their median.', lower_bound=1)
   # Internal: a child that measures one configuration, in-process.
-  flags.DEFINE_enum('child', None, ['jax_auto', 'jax_off', 'torch_eager', 'torch_compile'],
+  flags.DEFINE_enum('child', None, list(CONFIGURATIONS),
                     'Measure this configuration of --models and --dtypes (one each).')
 
 
@@ -106,37 +119,56 @@ def register_toy_model() -> None:
     block, depths, widths = resnet.BasicBlock, (1, 1, 1, 1), TOY_WIDTHS
 
 
-def measure_jax(configuration: str, model: str, dtype: str) -> dict:
-  """Times this app's train step of `model` (configs/finetune.py's recipe) in `dtype`."""
+def app_run(configuration: str, model: str, dtype: str):
+  """configs/finetune.py's run of `model` computing in `dtype`, with the layers of
+  `configuration` (jax_auto: the XLA:CPU ones where they apply; jax_off and onnxruntime: the
+  stock ones, which the export takes). Starts JAX."""
   # pylint: disable=g-import-not-at-top  (only this child starts JAX; runtime first)
   from core import runtime
   runtime.start()
-  import jax
-  import numpy as np
-
   from configs import finetune
-  from data_sources import base
   from training import run_spec
-  from training import state as state_lib
   # pylint: enable=g-import-not-at-top
   if model == TOY_MODEL:
     register_toy_model()
   config = finetune.get_config()
   config.model = model
   config.compute_dtype = dtype
-  config.cpu_kernels = configuration.removeprefix('jax_')
+  config.cpu_kernels = 'auto' if configuration == 'jax_auto' else 'off'
   config.batch_size = FLAGS.batch_size
-  run = run_spec.resolve(config)
-  shape = (FLAGS.image_size, FLAGS.image_size, 3)
+  return run_spec.resolve(config)
+
+
+def random_images():
+  """A batch of random uint8 images, as the input pipeline hands them to the model (the
+  decoded images, resized and cropped)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  return np.random.default_rng(0).integers(
+      0, 256, (FLAGS.batch_size, FLAGS.image_size, FLAGS.image_size, 3), np.uint8)
+
+
+def dataset_info(steps_per_epoch: int = 1):
+  from data_sources import base  # pylint: disable=g-import-not-at-top
+  return base.DatasetInfo('random', (FLAGS.image_size, FLAGS.image_size, 3), NUM_CLASSES,
+                          steps_per_epoch * FLAGS.batch_size, 0)
+
+
+def measure_jax(configuration: str, model: str, dtype: str) -> dict:
+  """Times this app's train step of `model` (configs/finetune.py's recipe) in `dtype`."""
+  run = app_run(configuration, model, dtype)
+  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
+  from training import state as state_lib
+  # pylint: enable=g-import-not-at-top
   steps_per_epoch = FLAGS.warmup + FLAGS.steps  # One epoch: the schedule warms up over it.
-  info = base.DatasetInfo('random', shape, NUM_CLASSES, steps_per_epoch * FLAGS.batch_size, 0)
+  info = dataset_info(steps_per_epoch)
   state = state_lib.create(run.model, info, run.optimization,
                            run.optimization.learning_rate_schedule(steps_per_epoch),
                            seed=run.seed, ema_decay=run.ema_decay)
   train_step = state_lib.make_train_step(run.loss(info.num_classes), run.input.preprocess)
-  rng = np.random.default_rng(0)
-  batch = {'image': jax.numpy.asarray(rng.integers(0, 256, (FLAGS.batch_size, *shape), np.uint8)),
-           'label': jax.numpy.asarray(rng.integers(0, NUM_CLASSES, FLAGS.batch_size, np.int32))}
+  labels = np.random.default_rng(1).integers(0, NUM_CLASSES, FLAGS.batch_size, np.int32)
+  batch = {'image': jax.numpy.asarray(random_images()), 'label': jax.numpy.asarray(labels)}
 
   def step():  # Waits for the device: timed_steps times each step whole.
     train_step(state, batch)
@@ -147,10 +179,57 @@ def measure_jax(configuration: str, model: str, dtype: str) -> dict:
           'device_name': jax.devices()[0].device_kind, 'ema_decay': run.ema_decay}
 
 
+def measure_app_inference(configuration: str, model: str, dtype: str) -> dict:
+  """Times this app's class probabilities of a batch: --mode=predict's program (jax_*), or the
+  app's ONNX export of the same model in ONNX Runtime (onnxruntime)."""
+  run = app_run(configuration, model, dtype)
+  # pylint: disable=g-import-not-at-top
+  import tempfile
+  import jax
+  from flax import nnx
+  from modes import export
+  from modes import predict
+  # pylint: enable=g-import-not-at-top
+  network = run.model.build((FLAGS.image_size, FLAGS.image_size, 3), NUM_CLASSES,
+                            nnx.Rngs(run.seed))
+  network.eval()
+  images = random_images()  # NumPy, as predict hands each batch over.
+  if configuration == 'onnxruntime':
+    if dtype != 'float32':
+      raise app.UsageError(f'onnxruntime runs the float32 export, not {dtype}.')
+    exporter = export.format_named('onnx')
+    classifier = export.classifier_of(network, dataset_info(), run.input.preprocess)
+    with tempfile.TemporaryDirectory() as directory:
+      path = os.path.join(directory, exporter.file)
+      exporter.write(classifier, path)
+      session = export.require('onnxruntime', 'onnx').InferenceSession(path)
+    step = lambda: session.run(['logits'], {'images': images})
+    device_name = 'cpu'
+  else:
+    step = lambda: predict.probabilities(network, run.input.preprocess,
+                                         images).block_until_ready()
+    device_name = jax.devices()[0].device_kind
+  return {**timed_steps(step), 'threads': len(os.sched_getaffinity(0)),
+          'device_name': device_name}
+
+
+def torch_network(model: str, device):
+  """timm's `model` (NUM_CLASSES classes) for --image_size, on `device`."""
+  import timm  # pylint: disable=g-import-not-at-top  (optional extras)
+  if model == TOY_MODEL:
+    network = timm.models.resnet.ResNet(timm.models.resnet.BasicBlock, (1, 1, 1, 1),
+                                        channels=TOY_WIDTHS, num_classes=NUM_CLASSES)
+  else:
+    network = timm.create_model(model, num_classes=NUM_CLASSES)
+  if getattr(network, 'patch_embed', None) and network.patch_embed.img_size != (
+      FLAGS.image_size,) * 2:  # A ViT's position embeddings are for one size: built for ours.
+    network = timm.create_model(model, num_classes=NUM_CLASSES, img_size=FLAGS.image_size)
+  return network.to(device)
+
+
 def measure_torch(configuration: str, model: str, dtype: str) -> dict:
   """Times a train step of timm's `model` in PyTorch, as `configuration` runs it."""
   # pylint: disable=g-import-not-at-top  (optional extras; only this child imports them)
-  import timm
   import timm.utils
   import torch
   from torch.nn import functional as F
@@ -160,15 +239,7 @@ def measure_torch(configuration: str, model: str, dtype: str) -> dict:
   device = torch.device(FLAGS.device)
   torch.set_num_threads(len(os.sched_getaffinity(0)))
   torch.manual_seed(0)
-  if model == TOY_MODEL:
-    network = timm.models.resnet.ResNet(timm.models.resnet.BasicBlock, (1, 1, 1, 1),
-                                        channels=TOY_WIDTHS, num_classes=NUM_CLASSES)
-  else:
-    network = timm.create_model(model, num_classes=NUM_CLASSES)
-  if getattr(network, 'patch_embed', None) and network.patch_embed.img_size != (
-      FLAGS.image_size,) * 2:  # A ViT's position embeddings are for one size: built for ours.
-    network = timm.create_model(model, num_classes=NUM_CLASSES, img_size=FLAGS.image_size)
-  network = network.to(device).train()
+  network = torch_network(model, device).train()
   optimizer = torch.optim.AdamW(network.parameters(), lr=3e-4, weight_decay=0.05)
   ema = timm.utils.ModelEmaV3(network, decay=0.99)
   forward = torch.compile(network) if configuration == 'torch_compile' else network
@@ -190,15 +261,56 @@ def measure_torch(configuration: str, model: str, dtype: str) -> dict:
                           else 'cpu')}
 
 
+def measure_torch_inference(configuration: str, model: str, dtype: str) -> dict:
+  """Times timm's `model`'s class probabilities of a uint8 batch under
+  `torch.inference_mode()`: scaled to [0, 1] and normalised with the model's statistics, as
+  timm's transforms do, then the model and the softmax (compiled whole for torch_compile)."""
+  # pylint: disable=g-import-not-at-top  (optional extras; only this child imports them)
+  import timm.data
+  import torch
+
+  from benchmarks import pytorch_mnist
+  # pylint: enable=g-import-not-at-top
+  device = torch.device(FLAGS.device)
+  torch.set_num_threads(len(os.sched_getaffinity(0)))
+  torch.manual_seed(0)
+  network = torch_network(model, device).eval()
+  data = timm.data.resolve_data_config({}, model=network)
+  mean = torch.tensor(data['mean'], device=device).view(1, 3, 1, 1)
+  std = torch.tensor(data['std'], device=device).view(1, 3, 1, 1)
+
+  def probabilities(images):
+    inputs = (images.permute(0, 3, 1, 2).float() / 255 - mean) / std
+    return network(inputs).softmax(dim=-1)
+
+  forward = torch.compile(probabilities) if configuration == 'torch_compile' else probabilities
+  images = torch.from_numpy(random_images()).to(device)
+
+  def step():
+    with (torch.inference_mode(),
+          torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == 'bfloat16')):
+      forward(images)
+    pytorch_mnist.synchronize(device)
+
+  return {**timed_steps(step), 'threads': torch.get_num_threads(),
+          'device_name': (torch.cuda.get_device_name(device) if device.type == 'cuda'
+                          else 'cpu')}
+
+
+MEASURES = {'train': {'jax': measure_jax, 'torch': measure_torch},
+            'inference': {'jax': measure_app_inference, 'onnxruntime': measure_app_inference,
+                          'torch': measure_torch_inference}}
+
+
 def run_configuration(configuration: str, model: str, dtype: str) -> dict:
   """Measures one configuration in a fresh child; its figures, with the load it started at."""
   load = os.getloadavg()[0]  # 1 minute, as `uptime` prints it.
   figures, child = harness.json_child(
       [sys.executable, '-m', 'benchmarks.backbones', f'--child={configuration}',
-       f'--models={model}', f'--dtypes={dtype}', f'--device={FLAGS.device}',
+       f'--task={FLAGS.task}', f'--models={model}', f'--dtypes={dtype}', f'--device={FLAGS.device}',
        f'--batch_size={FLAGS.batch_size}', f'--image_size={FLAGS.image_size}',
        f'--warmup={FLAGS.warmup}', f'--steps={FLAGS.steps}'],
-      harness.jax_child_env(FLAGS.device) if configuration.startswith('jax') else None)
+      None if configuration.startswith('torch') else harness.jax_child_env(FLAGS.device))
   median_step = harness.median(figures['step_seconds'])
   return {**figures, 'median_step_seconds': median_step,
           'images_per_sec': FLAGS.batch_size / median_step, 'process_seconds': child.seconds,
@@ -237,11 +349,12 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def selected_configurations() -> list[str]:
-  names = FLAGS.configurations or list(DEFAULT_CONFIGURATIONS[FLAGS.device])
-  unknown = [name for name in names if name not in CONFIGURATIONS]
+  known = DEFAULT_CONFIGURATIONS[FLAGS.task][FLAGS.device]
+  names = FLAGS.configurations or list(known)
+  unknown = [name for name in names if name not in known]
   if unknown:
-    raise app.UsageError(f'Unknown --configurations {unknown}: choose from '
-                         f'{list(CONFIGURATIONS)}.')
+    raise app.UsageError(f'--configurations {unknown} do not run --task={FLAGS.task} on '
+                         f'--device={FLAGS.device}: choose from {list(known)}.')
   return names
 
 
@@ -250,7 +363,7 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   if FLAGS.child:
     (model,), (dtype,) = FLAGS.models, FLAGS.dtypes
-    measure = measure_jax if FLAGS.child.startswith('jax') else measure_torch
+    measure = MEASURES[FLAGS.task][FLAGS.child.split('_')[0]]
     figures = measure(FLAGS.child, model, dtype)
     # Peak resident memory of the whole child (model, optimizer, activations, compiler), MB.
     figures['peak_rss_mb'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -262,7 +375,8 @@ def main(argv):
   started_load = os.getloadavg()
   header = [harness.machine_line(harness.machine()),
             f'Load average at start (1, 5, 15 min): {", ".join(f"{x:.2f}" for x in started_load)}; '
-            f'batch {FLAGS.batch_size}, {FLAGS.image_size} px, {FLAGS.warmup} warm-up + '
+            f'{FLAGS.task}, batch {FLAGS.batch_size}, {FLAGS.image_size} px, {FLAGS.warmup} '
+            'warm-up + '
             f'{FLAGS.steps} timed steps, {FLAGS.rounds} round(s), on {FLAGS.device}']
   print('\n'.join(header), flush=True)
   every_round = collections.defaultdict(list)
@@ -287,7 +401,7 @@ def write_report(started_load: tuple[float, ...],
   """Writes the JSON report of the runs so far to --json; returns its rows (summarize's)."""
   rows = summarize(every_round)
   harness.write_json(FLAGS.json, {
-      'device': FLAGS.device, 'batch_size': FLAGS.batch_size, 'image_size': FLAGS.image_size,
+      'device': FLAGS.device, 'task': FLAGS.task, 'batch_size': FLAGS.batch_size, 'image_size': FLAGS.image_size,
       'warmup': FLAGS.warmup, 'steps': FLAGS.steps, 'rounds': FLAGS.rounds,
       'load_at_start': started_load, 'load_at_end': os.getloadavg(), 'rows': rows,
       'every_round': [{'model': model, 'dtype': dtype, 'configuration': configuration,

@@ -56,7 +56,6 @@ from benchmarks import harness
 from benchmarks import timm_training
 from configs import finetune
 from data_sources import generated
-from training import optimizers
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('work', None, 'Where the folders and the runs go.')
@@ -162,15 +161,11 @@ def pretrain_in_timm(root: str, weights: str) -> dict:
                             drop_path_rate=model_options.get('drop_path_rate', 0.0))
   training, evaluation = torch_transforms()
   steps_per_epoch = len(train_images) // recipe.batch_size
-  # The app's own schedule: the warm-up from 0, then the cosine down to 0.
-  schedule = optimizers.Optimization(
-      optimizer=None, schedule=optimizers.SCHEDULES.entry(recipe.schedule).factory,
-      learning_rate=FLAGS.pretrain_learning_rate or recipe.learning_rate,
-      warmup_epochs=recipe.warmup_epochs,
-      num_epochs=FLAGS.pretrain_epochs).learning_rate_schedule(steps_per_epoch)
+  rates = timm_training.recipe_learning_rates(recipe, steps_per_epoch, FLAGS.pretrain_epochs,
+                                              FLAGS.pretrain_learning_rate)
   timm_training.train(
       model, os.path.join(root, 'train'), training, epochs=FLAGS.pretrain_epochs,
-      learning_rate=schedule, weight_decay=recipe.optimizer_options.adamw.weight_decay,
+      learning_rate=rates, weight_decay=recipe.optimizer_options.adamw.weight_decay,
       label_smoothing=recipe.loss_options.cross_entropy.label_smoothing,
       batch_size=recipe.batch_size, num_workers=0)
   safetensors.torch.save_file(model.state_dict(), weights)

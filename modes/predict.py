@@ -94,7 +94,7 @@ def listed_files(path: str) -> list[str]:
 
 
 @functools.partial(nnx.jit, static_argnums=1)
-def _probabilities(model: nnx.Module, preprocess: preprocessing.Preprocessing,
+def probabilities(model: nnx.Module, preprocess: preprocessing.Preprocessing,
                    images: jax.Array) -> jax.Array:
   """The softmax of a uint8 batch, scaled by `preprocess` in the same program."""
   return jax.nn.softmax(model(preprocess.scale(images)).astype(jax.numpy.float32))
@@ -219,7 +219,7 @@ def predict(run: run_spec.Run, workdir: str, inputs: str | None, checkpoint: str
                'test-time augmentation %s).', len(images.files), step, temperature,
                tta or 'none')
   paths, probabilities = compute(
-      images, lambda batch: _probabilities(model, run.input.preprocess, batch), 'predicted')
+      images, lambda batch: probabilities(model, run.input.preprocess, batch), 'predicted')
   probabilities = np.concatenate(probabilities) if probabilities else np.zeros((0, 1))
   # Most probable first; a stable sort keeps argmax's choice among ties as the first class.
   ranked = np.argsort(-probabilities, axis=1, kind='stable')[:, :top_k]

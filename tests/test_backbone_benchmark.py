@@ -39,22 +39,28 @@ def test_summary_takes_medians_and_compares_with_the_fastest_pytorch_of_its_mode
 
 
 # The whole benchmark at a toy size, one round: its toy ResNet (one basic block per stage, 8-32
-# features, in both libraries) on 32-px images, batch 2, one warm-up and one timed step per child. Each row is a child process that imports its
-# framework and compiles the model, so the test runs two: one per library (torch.compile's
-# children take minutes on 2 cores; more rows are the summary's test above).
+# features, in both libraries) on 32-px images, batch 2, one warm-up and one timed step per
+# child. Each row is a child process that imports its framework and compiles the model, so the
+# test runs one per library (torch.compile's children take minutes on 2 cores; more rows are
+# the summary's test above); inference adds the app's ONNX export in ONNX Runtime.
 @pytest.mark.slow
-def test_benchmark_has_a_row_for_each_model_dtype_and_configuration(tmp_path):
-  requires_extras('torch', 'timm')
-  configurations, dtypes = ['jax_off', 'torch_eager'], ['float32']
+@pytest.mark.parametrize('task, configurations', [
+    ('train', ['jax_off', 'torch_eager']),
+    ('inference', ['jax_off', 'torch_eager', 'onnxruntime'])])
+def test_benchmark_has_a_row_for_each_model_dtype_and_configuration(tmp_path, task,
+                                                                    configurations):
+  requires_extras('torch', 'timm', *(['jax2onnx', 'onnxruntime'] if task == 'inference' else []))
+  dtypes = ['float32']
   out = tmp_path / 'backbones.json'
   result = subprocess.run(
-      [sys.executable, '-m', 'benchmarks.backbones', '--image_size=32', '--batch_size=2',
-       '--warmup=1', '--steps=1', '--rounds=1', '--models=toy_resnet',
+      [sys.executable, '-m', 'benchmarks.backbones', f'--task={task}', '--image_size=32',
+       '--batch_size=2', '--warmup=1', '--steps=1', '--rounds=1', '--models=toy_resnet',
        f'--dtypes={",".join(dtypes)}', f'--configurations={",".join(configurations)}',
        f'--json={out}'], cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   report = json.loads(out.read_text())
   assert {'command', 'commit', 'machine', 'date'} <= report.keys()
+  assert report['task'] == task
   rows = {(row['model'], row['dtype'], row['configuration']): row for row in report['rows']}
   assert rows.keys() == {('toy_resnet', dtype, configuration) for dtype in dtypes
                          for configuration in configurations}

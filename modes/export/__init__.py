@@ -151,11 +151,19 @@ def load_classifier(run: run_spec.Run, workdir: str, checkpoint: str = 'latest')
   run = dataclasses.replace(run, model=dataclasses.replace(run.model, cpu_kernels='off'))
   info = modes.dataset_info(run, workdir)
   model, step = modes.load_model(run, workdir, info, checkpoint)
+  return classifier_of(model, info, run.input.preprocess,
+                       calibration.saved_temperature(workdir, run.temperature_scaling), step)
+
+
+def classifier_of(model: nnx.Module, info: base.DatasetInfo,
+                  preprocess: preprocessing.Preprocessing, temperature: float = 1.0,
+                  step: int = 0) -> Classifier:
+  """The `Classifier` of `model` (in eval mode, built from the stock layers) with its scale
+  stage `preprocess` and `temperature`."""
   graphdef, weights, rest = nnx.split(model, (nnx.Param, nnx.BatchStat), ...)
   with_paths, treedef = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(weights))
   return Classifier(
-      info=info, step=step, preprocess=run.input.preprocess,
-      temperature=calibration.saved_temperature(workdir, run.temperature_scaling),
+      info=info, step=step, preprocess=preprocess, temperature=temperature,
       graphdef=graphdef, treedef=treedef,
       weights=[np.asarray(value) for _, value in with_paths],
       names=[jax.tree_util.keystr(path, simple=True, separator='/') for path, _ in with_paths],
