@@ -218,13 +218,13 @@ def predict(run: run_spec.Run, workdir: str, inputs: str | None, checkpoint: str
   logging.info('Predicting %d images with the checkpoint at step %d (temperature %.4f, '
                'test-time augmentation %s).', len(images.files), step, temperature,
                tta or 'none')
-  paths, probabilities = compute(
+  paths, batches = compute(
       images, lambda batch: probabilities(model, run.input.preprocess, batch), 'predicted')
-  probabilities = np.concatenate(probabilities) if probabilities else np.zeros((0, 1))
+  image_probabilities = np.concatenate(batches) if batches else np.zeros((0, 1))
   # Most probable first; a stable sort keeps argmax's choice among ties as the first class.
-  ranked = np.argsort(-probabilities, axis=1, kind='stable')[:, :top_k]
+  ranked = np.argsort(-image_probabilities, axis=1, kind='stable')[:, :top_k]
   rows = [(path, *((info.class_names[label], float(row[label])) for label in labels))
-          for path, row, labels in zip(paths, probabilities, ranked)]
+          for path, row, labels in zip(paths, image_probabilities, ranked)]
   header = ('file', 'class', 'probability') if top_k == 1 else (
       'file', *(f'{column}_{rank}' for rank in range(1, top_k + 1)
                 for column in ('class', 'probability')))
