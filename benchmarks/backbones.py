@@ -214,8 +214,14 @@ def measure_app_inference(configuration: str, model: str, dtype: str) -> dict:
 
 
 def torch_network(model: str, device):
-  """timm's `model` (NUM_CLASSES classes) for --image_size, on `device`."""
-  import timm  # pylint: disable=g-import-not-at-top  (optional extras)
+  """timm's `model` (NUM_CLASSES classes) for --image_size, on `device`, built from seed 0
+  with PyTorch's intra-op threads set to every core this process may use."""
+  # pylint: disable=g-import-not-at-top  (optional extras)
+  import timm
+  import torch
+  # pylint: enable=g-import-not-at-top
+  torch.set_num_threads(len(os.sched_getaffinity(0)))
+  torch.manual_seed(0)
   if model == TOY_MODEL:
     network = timm.models.resnet.ResNet(timm.models.resnet.BasicBlock, (1, 1, 1, 1),
                                         channels=TOY_WIDTHS, num_classes=NUM_CLASSES)
@@ -225,6 +231,14 @@ def torch_network(model: str, device):
       FLAGS.image_size,) * 2:  # A ViT's position embeddings are for one size: built for ours.
     network = timm.create_model(model, num_classes=NUM_CLASSES, img_size=FLAGS.image_size)
   return network.to(device)
+
+
+def torch_threads_and_device(device) -> dict:
+  """What a PyTorch child reports beside its times: its threads and its device's name."""
+  import torch  # pylint: disable=g-import-not-at-top  (optional extras)
+  return {'threads': torch.get_num_threads(),
+          'device_name': (torch.cuda.get_device_name(device) if device.type == 'cuda'
+                          else 'cpu')}
 
 
 def measure_torch(configuration: str, model: str, dtype: str) -> dict:
@@ -237,8 +251,6 @@ def measure_torch(configuration: str, model: str, dtype: str) -> dict:
   from benchmarks import pytorch_mnist
   # pylint: enable=g-import-not-at-top
   device = torch.device(FLAGS.device)
-  torch.set_num_threads(len(os.sched_getaffinity(0)))
-  torch.manual_seed(0)
   network = torch_network(model, device).train()
   optimizer = torch.optim.AdamW(network.parameters(), lr=3e-4, weight_decay=0.05)
   ema = timm.utils.ModelEmaV3(network, decay=0.99)
@@ -255,10 +267,7 @@ def measure_torch(configuration: str, model: str, dtype: str) -> dict:
     ema.update(network)
     pytorch_mnist.synchronize(device)
 
-  figures = timed_steps(step)
-  return {**figures, 'threads': torch.get_num_threads(),
-          'device_name': (torch.cuda.get_device_name(device) if device.type == 'cuda'
-                          else 'cpu')}
+  return {**timed_steps(step), **torch_threads_and_device(device)}
 
 
 def measure_torch_inference(configuration: str, model: str, dtype: str) -> dict:
@@ -272,8 +281,6 @@ def measure_torch_inference(configuration: str, model: str, dtype: str) -> dict:
   from benchmarks import pytorch_mnist
   # pylint: enable=g-import-not-at-top
   device = torch.device(FLAGS.device)
-  torch.set_num_threads(len(os.sched_getaffinity(0)))
-  torch.manual_seed(0)
   network = torch_network(model, device).eval()
   data = timm.data.resolve_data_config({}, model=network)
   mean = torch.tensor(data['mean'], device=device).view(1, 3, 1, 1)
@@ -292,9 +299,7 @@ def measure_torch_inference(configuration: str, model: str, dtype: str) -> dict:
       forward(images)
     pytorch_mnist.synchronize(device)
 
-  return {**timed_steps(step), 'threads': torch.get_num_threads(),
-          'device_name': (torch.cuda.get_device_name(device) if device.type == 'cuda'
-                          else 'cpu')}
+  return {**timed_steps(step), **torch_threads_and_device(device)}
 
 
 MEASURES = {'train': {'jax': measure_jax, 'torch': measure_torch},
@@ -307,7 +312,8 @@ def run_configuration(configuration: str, model: str, dtype: str) -> dict:
   load = os.getloadavg()[0]  # 1 minute, as `uptime` prints it.
   figures, child = harness.json_child(
       [sys.executable, '-m', 'benchmarks.backbones', f'--child={configuration}',
-       f'--task={FLAGS.task}', f'--models={model}', f'--dtypes={dtype}', f'--device={FLAGS.device}',
+       f'--task={FLAGS.task}', f'--models={model}', f'--dtypes={dtype}',
+       f'--device={FLAGS.device}',
        f'--batch_size={FLAGS.batch_size}', f'--image_size={FLAGS.image_size}',
        f'--warmup={FLAGS.warmup}', f'--steps={FLAGS.steps}'],
       None if configuration.startswith('torch') else harness.jax_child_env(FLAGS.device))
@@ -376,8 +382,7 @@ def main(argv):
   header = [harness.machine_line(harness.machine()),
             f'Load average at start (1, 5, 15 min): {", ".join(f"{x:.2f}" for x in started_load)}; '
             f'{FLAGS.task}, batch {FLAGS.batch_size}, {FLAGS.image_size} px, {FLAGS.warmup} '
-            'warm-up + '
-            f'{FLAGS.steps} timed steps, {FLAGS.rounds} round(s), on {FLAGS.device}']
+            f'warm-up + {FLAGS.steps} timed steps, {FLAGS.rounds} round(s), on {FLAGS.device}']
   print('\n'.join(header), flush=True)
   every_round = collections.defaultdict(list)
   for round_index in range(1, FLAGS.rounds + 1):
@@ -401,7 +406,8 @@ def write_report(started_load: tuple[float, ...],
   """Writes the JSON report of the runs so far to --json; returns its rows (summarize's)."""
   rows = summarize(every_round)
   harness.write_json(FLAGS.json, {
-      'device': FLAGS.device, 'task': FLAGS.task, 'batch_size': FLAGS.batch_size, 'image_size': FLAGS.image_size,
+      'device': FLAGS.device, 'task': FLAGS.task, 'batch_size': FLAGS.batch_size,
+      'image_size': FLAGS.image_size,
       'warmup': FLAGS.warmup, 'steps': FLAGS.steps, 'rounds': FLAGS.rounds,
       'load_at_start': started_load, 'load_at_end': os.getloadavg(), 'rows': rows,
       'every_round': [{'model': model, 'dtype': dtype, 'configuration': configuration,

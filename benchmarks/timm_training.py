@@ -40,8 +40,9 @@ def train(model, root: str, transform, *, epochs: int,
           after_epoch: Callable[[object, int], None] | None = None) -> tuple[object, list[dict]]:
   """Trains `model` in place on the folder `root` (`root/<class>/<image>`), the last partial
   batch of each epoch dropped as the app drops it, at `learning_rate(step)` (0-based), or
-  `learning_rate[step]` for the rates of each step (`recipe_learning_rates`). `num_workers`: the DataLoader's processes (0 where JAX runs in this
-  process: they would be forked from its threads). With `ema_decay`, timm's ModelEmaV3 (its
+  `learning_rate[step]` for the rates of each step (`recipe_learning_rates`). `num_workers`:
+  the DataLoader's processes (0 where JAX runs in this process: they would be forked from its
+  threads). With `ema_decay`, timm's ModelEmaV3 (its
   warm-up on) averages the weights, and the average is the model evaluated.
 
   Prints each epoch's mean loss, training accuracy and time, then calls `after_epoch(model to
