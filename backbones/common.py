@@ -87,15 +87,11 @@ def batch_norm(layers: kernels.Layers, features: int, *, rngs: nnx.Rngs,
                            rngs=rngs)
 
 
-def layer_norm(features: int, *, rngs: nnx.Rngs, epsilon: float = 1e-6) -> nnx.LayerNorm:
-  """timm's LayerNorm of ViT and ConvNeXt (eps 1e-6 unless given: CLIP's is torch's 1e-5)
-  over the last (channel) axis."""
-  return nnx.LayerNorm(features, epsilon=epsilon, rngs=rngs)
-
-
-def gelu(x: jax.Array) -> jax.Array:
-  """torch's `nn.GELU()`: the exact GELU, not flax's default tanh approximation."""
-  return jax.nn.gelu(x, approximate=False)
+def layer_norm(layers: kernels.Layers, features: int, *, rngs: nnx.Rngs,
+               epsilon: float = 1e-6) -> nnx.LayerNorm:
+  """timm's LayerNorm of ViT and ConvNeXt from `layers.layer_norm` (eps 1e-6 unless given:
+  CLIP's is torch's 1e-5) over the last (channel) axis."""
+  return layers.layer_norm(features, epsilon=epsilon, rngs=rngs)
 
 
 def quick_gelu(x: jax.Array) -> jax.Array:
@@ -105,13 +101,14 @@ def quick_gelu(x: jax.Array) -> jax.Array:
 
 class Mlp(nnx.Module):
   """The feed-forward block of transformers and ConvNeXt: `fc1` to `hidden` features, the
-  `activation` (exact GELU unless given), `fc2` back, on the last axis."""
+  `activation` (unless given, the exact GELU of `layers`: torch's `nn.GELU()`, not flax's
+  default tanh approximation), `fc2` back, on the last axis."""
 
   def __init__(self, features: int, hidden: int, *, layers: kernels.Layers, rngs: nnx.Rngs,
-               activation: Callable[[jax.Array], jax.Array] = gelu):
+               activation: Callable[[jax.Array], jax.Array] | None = None):
     self.fc1 = layers.linear(features, hidden, kernel_init=TRUNC_NORMAL, rngs=rngs)
     self.fc2 = layers.linear(hidden, features, kernel_init=TRUNC_NORMAL, rngs=rngs)
-    self.activation = activation
+    self.activation = activation or layers.gelu
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.fc2(self.activation(self.fc1(x)))

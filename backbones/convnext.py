@@ -55,7 +55,7 @@ class Block(nnx.Module):
                rngs: nnx.Rngs):
     self.conv_dw = common.conv(layers, features, features, 7, groups=features, use_bias=True,
                                kernel_init=common.TRUNC_NORMAL, rngs=rngs)
-    self.norm = common.layer_norm(features, rngs=rngs)
+    self.norm = common.layer_norm(layers, features, rngs=rngs)
     self.mlp = common.Mlp(features, 4 * features, layers=layers, rngs=rngs)
     # Layer scale: each block starts close to the identity (timm's ls_init_value).
     self.gamma = nnx.Param(jnp.full((features,), 1e-6))
@@ -73,7 +73,7 @@ class Stage(nnx.Module):
   def __init__(self, in_features: int, out_features: int, drop_path_rates: list[float], *,
                layers: kernels.Layers, rngs: nnx.Rngs):
     if in_features != out_features:
-      self.downsample_norm = common.layer_norm(in_features, rngs=rngs)
+      self.downsample_norm = common.layer_norm(layers, in_features, rngs=rngs)
       self.downsample_conv = common.conv(layers, in_features, out_features, 2, stride=2,
                                          padding=0, use_bias=True,
                                          kernel_init=common.TRUNC_NORMAL, rngs=rngs)
@@ -101,14 +101,14 @@ class ConvNeXt(nnx.Module):
     self.stem_conv = common.conv(layers, image_shape[-1], self.widths[0], 4, stride=4,
                                  padding=0, use_bias=True, kernel_init=common.TRUNC_NORMAL,
                                  rngs=rngs)
-    self.stem_norm = common.layer_norm(self.widths[0], rngs=rngs)
+    self.stem_norm = common.layer_norm(layers, self.widths[0], rngs=rngs)
     stages, in_features, first_block = [], self.widths[0], 0
     for width, depth in zip(self.widths, self.depths):
       stages.append(Stage(in_features, width, rates[first_block:first_block + depth],
                           layers=layers, rngs=rngs))
       in_features, first_block = width, first_block + depth
     self.stages = nnx.List(stages)
-    self.head_norm = common.layer_norm(in_features, rngs=rngs)
+    self.head_norm = common.layer_norm(layers, in_features, rngs=rngs)
     self.dropout = layers.dropout(rate=dropout_rate, rngs=rngs)
     self.head = layers.linear(in_features, num_classes, kernel_init=common.TRUNC_NORMAL,
                               rngs=rngs)

@@ -83,7 +83,7 @@ class AttentionPool(nnx.Module):
     self.q = layers.linear(features, features, kernel_init=common.TRUNC_NORMAL, rngs=rngs)
     self.kv = layers.linear(features, 2 * features, kernel_init=common.TRUNC_NORMAL, rngs=rngs)
     self.proj = layers.linear(features, features, kernel_init=common.TRUNC_NORMAL, rngs=rngs)
-    self.norm = common.layer_norm(features, rngs=rngs)
+    self.norm = common.layer_norm(layers, features, rngs=rngs)
     self.mlp = common.Mlp(features, 4 * features, layers=layers, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -117,11 +117,11 @@ class Block(nnx.Module):
   def __init__(self, features: int, num_heads: int, drop_path_rate: float,
                init_values: float | None, *, layers: kernels.Layers, rngs: nnx.Rngs,
                epsilon: float = 1e-6,
-               activation: Callable[[jax.Array], jax.Array] = common.gelu):
-    self.norm1 = common.layer_norm(features, rngs=rngs, epsilon=epsilon)
+               activation: Callable[[jax.Array], jax.Array] | None = None):
+    self.norm1 = common.layer_norm(layers, features, rngs=rngs, epsilon=epsilon)
     self.attn = Attention(features, num_heads, layers=layers, rngs=rngs)
     self.ls1 = LayerScale(features, init_values) if init_values else None
-    self.norm2 = common.layer_norm(features, rngs=rngs, epsilon=epsilon)
+    self.norm2 = common.layer_norm(layers, features, rngs=rngs, epsilon=epsilon)
     self.mlp = common.Mlp(features, 4 * features, layers=layers, rngs=rngs,
                           activation=activation)
     self.ls2 = LayerScale(features, init_values) if init_values else None
@@ -160,7 +160,7 @@ class VisionTransformer(nnx.Module):
   class_token = True
   global_pool = 'token'
   norm_epsilon = 1e-6
-  mlp_activation = staticmethod(common.gelu)
+  mlp_activation = None  # The exact GELU of the model's layers.
   features: int
   depth: int
   num_heads: int
@@ -195,12 +195,14 @@ class VisionTransformer(nnx.Module):
                             (1, embedded_prefix + grid_size[0] * grid_size[1], self.features)),
         grid_size=grid_size)
     if self.pre_norm:
-      self.norm_pre = common.layer_norm(self.features, rngs=rngs, epsilon=self.norm_epsilon)
+      self.norm_pre = common.layer_norm(layers, self.features, rngs=rngs,
+                                        epsilon=self.norm_epsilon)
     self.blocks = nnx.List([
         Block(self.features, self.num_heads, rate, self.init_values, layers=layers, rngs=rngs,
               epsilon=self.norm_epsilon, activation=self.mlp_activation)
         for rate in rates])
-    self.norm = common.layer_norm(self.features, rngs=rngs, epsilon=self.norm_epsilon)
+    self.norm = common.layer_norm(layers, self.features, rngs=rngs,
+                                  epsilon=self.norm_epsilon)
     if self.global_pool == 'map':
       self.attn_pool = AttentionPool(self.features, self.num_heads, layers=layers, rngs=rngs)
     self.dropout = layers.dropout(rate=dropout_rate, rngs=rngs)

@@ -239,3 +239,122 @@ def test_attention_computes_every_other_case_as_the_stock_function(dtype, option
   mask = jnp.tril(jnp.ones((17, 17), bool))
   np.testing.assert_array_equal(cpu.dot_product_attention(*qkv, mask=mask),
                                 jax.nn.dot_product_attention(*qkv, mask=mask))
+
+
+def _input_sized_residuals(function, x: jax.Array) -> list[jax.Array]:
+  """The arrays of `x`'s size or larger that the backward pass of `function` at `x` keeps (the
+  residuals held by `jax.vjp`'s function; the input itself among them)."""
+  _, backward = jax.vjp(function, x)
+  return [residual for residual in jax.tree.leaves(backward) if residual.size >= x.size]
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_gelu_and_its_gradient_equal_the_stock_function(dtype):
+  x = (3 * jax.random.normal(jax.random.key(3), (4, 33, 8))).astype(dtype)
+  stock = lambda x: jax.nn.gelu(x, approximate=False)
+  np.testing.assert_array_equal(cpu.gelu(x), stock(x))
+  np.testing.assert_array_equal(kernels.STOCK_LAYERS.gelu(x), stock(x))
+  loss = lambda f: lambda x: jnp.vdot(f(x).astype(jnp.float32), jnp.cos(x).astype(jnp.float32))
+  tolerance = 1e-6 if dtype == jnp.float32 else 1e-2
+  np.testing.assert_allclose(jax.grad(loss(cpu.gelu))(x).astype(np.float32),
+                             jax.grad(loss(stock))(x).astype(np.float32),
+                             rtol=tolerance, atol=tolerance)
+  # The backward pass keeps the input alone (autodiff of the stock function keeps 3 more).
+  assert len(_input_sized_residuals(cpu.gelu, x)) == 1
+  assert len(_input_sized_residuals(stock, x)) > 1
+
+
+def _layer_norms(features: int, **options) -> tuple[nnx.LayerNorm, nnx.LayerNorm]:
+  """`cpu.LayerNorm` and `nnx.LayerNorm` with the same random scale and bias."""
+  fast, stock = (layer(features, rngs=nnx.Rngs(0), **options)
+                 for layer in (cpu.LayerNorm, nnx.LayerNorm))
+  keys = jax.random.split(jax.random.key(4), 2)
+  for norm in (fast, stock):
+    if norm.scale is not None:
+      norm.scale[...] = 1 + jax.random.normal(keys[0], norm.scale.shape, norm.scale.dtype)
+    if norm.bias is not None:
+      norm.bias[...] = jax.random.normal(keys[1], norm.bias.shape, norm.bias.dtype)
+  return fast, stock
+
+
+def _norm_value_and_grads(norm: nnx.LayerNorm, x: jax.Array, cotangent: jax.Array):
+  def loss(norm, x):
+    return jnp.vdot(norm(x).astype(jnp.float32), cotangent)
+  value = norm(x)
+  grads = nnx.grad(loss, argnums=(0, 1))(norm, x)
+  return [value, *jax.tree.leaves(grads)]
+
+
+@pytest.mark.parametrize('shape,options', [
+    ((2, 9, 16), {}), ((2, 4, 4, 8), {'epsilon': 1e-5}), ((3, 16), {'use_fast_variance': False}),
+    ((2, 9, 16), {'dtype': jnp.bfloat16}), ((2, 9, 16), {'param_dtype': jnp.bfloat16})])
+def test_layer_norm_and_its_gradients_equal_nnx_layer_norm(shape, options):
+  """Over the last axis of a token sequence, of NHWC images (ConvNeXt's), in float32 and with
+  half-precision inputs or parameters: the stock layer's output, the same gradients."""
+  x = 3 + 2 * jax.random.normal(jax.random.key(5), shape)
+  if options.get('param_dtype') == jnp.bfloat16:
+    x = x.astype(jnp.bfloat16)
+  cotangent = jax.random.normal(jax.random.key(6), shape)
+  fast, stock = _layer_norms(shape[-1], **options)
+  fast_values, stock_values = (_norm_value_and_grads(norm, x, cotangent)
+                               for norm in (fast, stock))
+  assert fast_values[0].dtype == stock_values[0].dtype
+  np.testing.assert_array_equal(fast_values[0], stock_values[0])
+  half = jnp.bfloat16 in (fast_values[0].dtype, x.dtype)
+  for value, stock_value in zip(fast_values[1:], stock_values[1:]):
+    assert value.dtype == stock_value.dtype
+    scale = float(np.abs(np.asarray(stock_value, np.float32)).max())
+    np.testing.assert_allclose(np.asarray(value, np.float32), np.asarray(stock_value, np.float32),
+                               rtol=0, atol=(1e-2 if half else 1e-5) * scale)
+  # The backward pass keeps the input (and per-row statistics), not four arrays of its size.
+  assert len(_input_sized_residuals(fast, x)) == 1
+  assert len(_input_sized_residuals(stock, x)) > 1
+
+
+@pytest.mark.parametrize('options,call', [
+    ({'reduction_axes': (-2, -1)}, {}), ({'feature_axes': -2}, {}), ({'use_bias': False}, {}),
+    ({'use_scale': False}, {}), ({}, {'mask': jnp.arange(16) < 12})])
+def test_layer_norm_computes_every_other_case_as_the_stock_layer(options, call):
+  x = jax.random.normal(jax.random.key(7), (2, 16, 16))
+  fast, stock = _layer_norms(16, **options)
+  np.testing.assert_array_equal(fast(x, **call), stock(x, **call))
+
+
+@pytest.mark.parametrize('options', [{}, {'use_fast_variance': False}, {'dtype': jnp.bfloat16}])
+def test_batch_norm_in_training_and_its_gradients_equal_nnx_batch_norm(options):
+  """NHWC images: the stock layer's output and running averages, the same gradients; eval
+  (the running averages) as the stock layer."""
+  x = 3 + 2 * jax.random.normal(jax.random.key(9), (4, 5, 5, 8))
+  cotangent = jax.random.normal(jax.random.key(10), x.shape)
+  fast, stock = (layer(8, momentum=0.9, rngs=nnx.Rngs(0), use_running_average=False, **options)
+                 for layer in (cpu.BatchNorm, nnx.BatchNorm))
+  for norm in (fast, stock):
+    norm.scale[...] = 1 + jax.random.normal(jax.random.key(11), (8,))
+    norm.bias[...] = jax.random.normal(jax.random.key(12), (8,))
+  fast_values, stock_values = (_norm_value_and_grads(norm, x, cotangent)
+                               for norm in (fast, stock))
+  np.testing.assert_array_equal(fast_values[0], stock_values[0])
+  half = 'dtype' in options
+  for value, stock_value in zip(fast_values[1:], stock_values[1:]):
+    scale = float(np.abs(np.asarray(stock_value, np.float32)).max())
+    np.testing.assert_allclose(np.asarray(value, np.float32), np.asarray(stock_value, np.float32),
+                               rtol=0, atol=(1e-2 if half else 1e-5) * scale)
+  for running, stock_running in ((fast.mean, stock.mean), (fast.var, stock.var)):
+    np.testing.assert_array_equal(running[...], stock_running[...])
+  # A copy of each layer, made in the traced function: it updates its running averages.
+  def in_trace(norm):
+    graphdef, state = nnx.split(norm)
+    return lambda x: nnx.merge(graphdef, jax.tree.map(jnp.array, state))(x)
+  assert len(_input_sized_residuals(in_trace(fast), x)) == 1
+  assert len(_input_sized_residuals(in_trace(stock), x)) > 1
+  np.testing.assert_array_equal(fast(x, use_running_average=True),
+                                stock(x, use_running_average=True))
+
+
+def test_softmax_and_its_gradient_equal_the_stock_function():
+  x, cotangent = 4 * jax.random.normal(jax.random.key(8), (2, 2, 3, 17, 17))
+  np.testing.assert_array_equal(cpu.softmax(x), jax.nn.softmax(x))
+  loss = lambda f: lambda x: jnp.vdot(f(x), cotangent)
+  np.testing.assert_allclose(jax.grad(loss(cpu.softmax))(x), jax.grad(loss(jax.nn.softmax))(x),
+                             rtol=1e-5, atol=1e-6)
+  assert len(_input_sized_residuals(cpu.softmax, x)) == 1
