@@ -11,6 +11,7 @@ swaps these in on CPU.
 
 from collections.abc import Sequence
 import functools
+import math
 
 from flax import nnx
 import jax
@@ -410,14 +411,23 @@ def _normalize_bwd(epsilon, fast_variance, axes, residuals, dy):
   del epsilon, fast_variance  # In the residuals' statistics.
   x, mean, rstd, scale, bias = residuals
   x, dy = lax.optimization_barrier((x, dy))  # As in `_conv_patches_bwd`: computed with `dy`.
-  normalized = (x - mean) * rstd
-  dy = dy.astype(normalized.dtype)
-  dnormalized = dy * scale
-  dx = rstd * (dnormalized - dnormalized.mean(axes, keepdims=True)
-               - normalized * (dnormalized * normalized).mean(axes, keepdims=True))
+  wide, dy = x.astype(mean.dtype), dy.astype(mean.dtype)
+  count = math.prod(x.shape[axis] for axis in axes)
   parameter_axes = tuple(range(x.ndim - 1))
-  return (dx.astype(x.dtype), (dy * normalized).sum(parameter_axes).astype(scale.dtype),
-          dy.sum(parameter_axes).astype(bias.dtype))
+  if axes == parameter_axes:  # Batch norm: one mean per channel, as one scale.
+    # Sums of products of `dy` with the input, not with the normalised input: that would be
+    # an array of the input's size, which XLA computes from the forward pass's values as soon
+    # as it ends and holds until here (ResNet-50 at 224 px and batch 32: 1.4 GB).
+    dbias = dy.sum(axes)
+    dscale = rstd.reshape(-1) * ((dy * wide).sum(axes) - mean.reshape(-1) * dbias)
+    dx = rstd * scale * (dy - (dbias + (wide - mean) * rstd * dscale) / count)
+  else:  # Layer norm: one mean per row, a scale per feature (rows are short: no such array).
+    normalized = (wide - mean) * rstd
+    dnormalized = dy * scale
+    dx = rstd * (dnormalized - dnormalized.mean(axes, keepdims=True)
+                 - normalized * (dnormalized * normalized).mean(axes, keepdims=True))
+    dscale, dbias = (dy * normalized).sum(parameter_axes), dy.sum(parameter_axes)
+  return dx.astype(x.dtype), dscale.astype(scale.dtype), dbias.astype(bias.dtype)
 
 
 normalize.defvjp(_normalize_fwd, _normalize_bwd)
