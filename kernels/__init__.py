@@ -1,7 +1,8 @@
 """The layers models are built from: flax's stock layers, or faster ones with the same function.
 
 Models take a `Layers` and build their convolutions, dense layers, batch and layer norms,
-dropout, pooling, attention and exact GELU from it, the way flax's imagenet example injects `conv: ModuleDef`.
+dropout, pooling, attention and exact GELU from it, the way flax's imagenet example injects
+`conv: ModuleDef`.
 `select_layers` is the one place that decides, by `config.cpu_kernels` and JAX's backend,
 whether the stock layers, the XLA:CPU ones (`kernels/cpu.py`) or the CUDA ones
 (`kernels/gpu.py`) are used, and, by

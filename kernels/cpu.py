@@ -293,10 +293,6 @@ def avg_pool(inputs: jax.Array, window_shape: Sequence[int], strides: Sequence[i
   return x.reshape(n, h // wh, wh, w // ww, ww, c).mean(axis=(2, 4))
 
 
-def _exact_gelu(x: jax.Array) -> jax.Array:
-  return jax.nn.gelu(x, approximate=False)
-
-
 @jax.custom_vjp
 def gelu(x: jax.Array) -> jax.Array:
   """The exact GELU (torch's `nn.GELU()`), x * Phi(x), whose gradient keeps only its input.
@@ -307,11 +303,11 @@ def gelu(x: jax.Array) -> jax.Array:
   input in the same loop as the product with the output's gradient, as torch does. The forward
   pass is the stock function's.
   """
-  return _exact_gelu(x)
+  return jax.nn.gelu(x, approximate=False)
 
 
 def _gelu_fwd(x):
-  return _exact_gelu(x), x
+  return gelu(x), x
 
 
 def _gelu_bwd(x, dy):
@@ -397,8 +393,7 @@ def normalize(x: jax.Array, scale: jax.Array, bias: jax.Array, epsilon: float,
   and bias on the last axis, operation for operation as flax's layer and batch norms compute
   it; its backward pass computes the input's gradient in one pass over the input and the
   output's gradient, as torch's norms do, from the input and the statistics alone."""
-  mean, var = _statistics(x, axes, fast_variance)
-  return (x - mean) * (lax.rsqrt(var + epsilon) * scale) + bias
+  return _normalize_fwd(x, scale, bias, epsilon, fast_variance, axes)[0]
 
 
 def _normalize_fwd(x, scale, bias, epsilon, fast_variance, axes):
@@ -441,7 +436,7 @@ def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
 
 
 def _softmax_fwd(x, axis):
-  y = jax.nn.softmax(x, axis=axis)
+  y = softmax(x, axis)
   return y, y
 
 

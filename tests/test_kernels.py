@@ -277,7 +277,7 @@ def _layer_norms(features: int, **options) -> tuple[nnx.LayerNorm, nnx.LayerNorm
   return fast, stock
 
 
-def _norm_value_and_grads(norm: nnx.LayerNorm, x: jax.Array, cotangent: jax.Array):
+def _norm_value_and_grads(norm: nnx.Module, x: jax.Array, cotangent: jax.Array):
   def loss(norm, x):
     return jnp.vdot(norm(x).astype(jnp.float32), cotangent)
   value = norm(x)
