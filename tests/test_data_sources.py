@@ -221,14 +221,16 @@ def test_torch_batches_match_the_tf_pipeline():
 @pytest.mark.slow
 def test_torchvision_cli_run_scores_97_percent(torchvision_root, tmp_path):
   # The issue's command (one epoch of the default CNN on torchvision's MNIST through main.py),
-  # on the first 19,200 training images (150 steps) for CPU time. The issue's 98% was for all
-  # 60,000; measured at seed 0, 150 steps read 97.9% (98.1% at 25,600 images and 98.05% at
-  # 32,000, too near 98% to assert it), so 97% here; an untrained CNN reads about 10%.
+  # on the first 32,000 training images (250 steps) for CPU time. The issue's 98% was for all
+  # 60,000. At 19,200 images (150 steps) seeds 0 / 1 / 2 read 97.34 / 98.06 / 97.45% at 18a3c04
+  # and 96.97 / 97.82 / 97.79% at 2d45dd7 (the BatchNorm gradient's rounding), so the seed alone
+  # moved 150 steps across 97%; at 32,000 seed 0 reads 98.01% (2d45dd7, 2-core Intel Xeon),
+  # too near 98% to assert it, so 97% here; an untrained CNN reads about 10%.
   result = subprocess.run(
       [sys.executable, 'main.py', '--config=configs/default.py', f'--workdir={tmp_path}',
        '--config.data_source=torchvision', '--config.dataset=MNIST',
        f'--config.data_dir={torchvision_root}', '--config.num_epochs=1',
-       '--config.train_split=train[:19200]'],
+       '--config.train_split=train[:32000]'],
       cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert result.returncode == 0, result.stderr[-3000:]
   accuracy, num_examples = re.search(r'epoch 1/1: .* eval/accuracy=([\d.]+) \((\d+) examples\)',
