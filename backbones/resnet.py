@@ -109,6 +109,7 @@ class ResNet(nnx.Module):
     self.layer1, self.layer2, self.layer3, self.layer4 = stages
     self.dropout = layers.dropout(rate=dropout_rate, rngs=rngs)
     self.fc = layers.linear(in_features, num_classes, rngs=rngs)
+    self.max_pool = layers.max_pool
     self.remat = remat
 
   def pre_logits(self, x: jax.Array) -> jax.Array:
@@ -116,7 +117,7 @@ class ResNet(nnx.Module):
     pre_logits=True)`): the embedding of `--mode=embed`."""
     x = nnx.relu(self.bn1(self.conv1(x)))
     # torch's MaxPool2d(3, 2, padding=1) pads with -inf, as flax's max_pool does.
-    x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+    x = self.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
     for stage in (self.layer1, self.layer2, self.layer3, self.layer4):
       x = common.run_blocks(stage, x, self.remat)
     return x.mean(axis=(1, 2))

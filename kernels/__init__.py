@@ -1,8 +1,8 @@
 """The layers models are built from: flax's stock layers, or faster ones with the same function.
 
 Models take a `Layers` and build their convolutions, dense layers, batch and layer norms,
-dropout, pooling, attention and exact GELU from it, the way flax's imagenet example injects
-`conv: ModuleDef`.
+dropout, average and max pooling, attention and exact GELU from it, the way flax's imagenet
+example injects `conv: ModuleDef`.
 `select_layers` is the one place that decides, by `config.cpu_kernels` and JAX's backend,
 whether the stock layers, the XLA:CPU ones (`kernels/cpu.py`) or the CUDA ones
 (`kernels/gpu.py`) are used, and, by
@@ -35,13 +35,14 @@ class Layers:
   layer_norm: Callable[..., nnx.LayerNorm] = nnx.LayerNorm
   dropout: Callable[..., nnx.Dropout] = nnx.Dropout
   avg_pool: Callable[..., jax.Array] = nnx.avg_pool
+  max_pool: Callable[..., jax.Array] = nnx.max_pool
   attention: Callable[..., jax.Array] = jax.nn.dot_product_attention
   gelu: Callable[[jax.Array], jax.Array] = functools.partial(jax.nn.gelu, approximate=False)
 
 
 STOCK_LAYERS = Layers()
 CPU_LAYERS = Layers(conv=cpu.Conv, batch_norm=cpu.BatchNorm, layer_norm=cpu.LayerNorm,
-                    dropout=cpu.Dropout, avg_pool=cpu.avg_pool,
+                    dropout=cpu.Dropout, avg_pool=cpu.avg_pool, max_pool=cpu.max_pool,
                     attention=cpu.dot_product_attention, gelu=cpu.gelu)
 GPU_LAYERS = Layers(attention=gpu.dot_product_attention)
 

@@ -214,6 +214,64 @@ def test_avg_pool_computes_every_other_pooling_as_the_stock_function(arguments):
                              rtol=1e-6, atol=1e-6)
 
 
+def test_conv_gradient_does_not_keep_every_layers_patches_from_the_forward_pass():
+  # Six 3x3 layers: if XLA shared the backward passes' patches with the forward pass's (as it
+  # did through an optimization barrier), all six would be held at once: 7.6 patch matrices
+  # of temporaries, against 4.8 when each is rebuilt in its backward pass.
+  x = jax.random.normal(jax.random.key(0), (8, 32, 32, 16))
+  kernel_list = [0.1 * jax.random.normal(jax.random.key(i), (3, 3, 16, 16)) for i in range(6)]
+  pads = ((1, 1), (1, 1))
+
+  def loss(kernel_list, x):
+    for kernel in kernel_list:
+      x = jax.nn.relu(cpu.conv_patches(x, kernel, (1, 1), pads))
+    return x.sum()
+
+  compiled = jax.jit(jax.grad(loss)).lower(kernel_list, x).compile()
+  patch_matrix = cpu.patches_bytes(x.shape, (3, 3, 16, 16), x.dtype, (1, 1), pads)
+  assert compiled.memory_analysis().temp_size_in_bytes < 6 * patch_matrix
+
+
+@pytest.mark.parametrize('shape,arguments', [
+    ((2, 16, 15, 8), {'window_shape': (3, 3), 'strides': (2, 2), 'padding': ((1, 1), (1, 1))}),
+    ((2, 9, 11, 3), {'window_shape': (3, 3), 'strides': (2, 2), 'padding': 'SAME'}),
+    ((2, 9, 11, 3), {'window_shape': (2, 2), 'strides': (1, 1)}),
+    ((2, 9, 11, 3), {'window_shape': (2, 3), 'strides': (2, 2)}),
+])
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_max_pool_and_its_gradient_equal_nnx_max_pool(shape, arguments, dtype):
+  # Rounded normals after a ReLU: most windows hold tied maxima (zeros after a ResNet's ReLU),
+  # where the gradient must go to the input select-and-scatter picks.
+  x = jnp.maximum(jnp.round(2 * jax.random.normal(jax.random.key(4), shape)), 0).astype(dtype)
+  fast = lambda x: cpu.max_pool(x, **arguments)
+  stock = lambda x: nnx.max_pool(x, **arguments)
+  np.testing.assert_array_equal(fast(x), stock(x))
+  # Integer cotangents: the sums over overlapping windows are exact in any order.
+  cotangent = jax.random.randint(jax.random.key(5), stock(x).shape, -3, 4).astype(dtype)
+  loss = lambda f: lambda x: jnp.vdot(f(x).astype(jnp.float32), cotangent.astype(jnp.float32))
+  np.testing.assert_array_equal(jax.grad(loss(fast))(x), jax.grad(loss(stock))(x))
+
+
+def test_max_pool_gradient_needs_a_fraction_of_select_and_scatter_temporaries():
+  x = jax.random.normal(jax.random.key(4), (8, 56, 56, 16))
+  arguments = {'window_shape': (3, 3), 'strides': (2, 2), 'padding': ((1, 1), (1, 1))}
+
+  def temporaries(pool) -> int:
+    backward = jax.jit(lambda x, dy: jax.vjp(lambda x: pool(x, **arguments), x)[1](dy))
+    compiled = backward.lower(x, jnp.ones((8, 28, 28, 16))).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  assert temporaries(cpu.max_pool) < temporaries(nnx.max_pool) / 2
+
+
+@pytest.mark.parametrize('x,arguments', [
+    (jnp.arange(2 * 9 * 3.0).reshape(2, 9, 3), {'window_shape': (2,), 'strides': (2,)}),
+    (jnp.arange(2 * 7 * 9 * 3).reshape(2, 7, 9, 3), {'window_shape': (2, 2), 'strides': (2, 2)}),
+])
+def test_max_pool_computes_every_other_pooling_as_the_stock_function(x, arguments):
+  np.testing.assert_array_equal(cpu.max_pool(x, **arguments), nnx.max_pool(x, **arguments))
+
+
 def _attention_inputs(dtype=jnp.float32):
   """Query, key and value (batch, tokens, heads, head features), and an output cotangent."""
   keys = jax.random.split(jax.random.key(2), 4)
