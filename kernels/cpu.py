@@ -141,12 +141,13 @@ def _after(x: jax.Array, dy: jax.Array) -> jax.Array:
   Without it, XLA merges what the backward pass rebuilds from an input (the im2col patches, the
   normalised input) with the forward pass's same arrays (common subexpressions), or its
   scheduler computes them as soon as the forward pass ends: either way every layer's copy is
-  held from the forward pass to its gradient (ResNet-50 at batch 32 held 1.7 GB of forward
-  patches at its peak). `lax.optimization_barrier` does not prevent this on XLA:CPU, which
+  held from the forward pass to its gradient (ResNet-50's forward patches, at its peak:
+  docs/backbone_speed.md). `lax.optimization_barrier` does not prevent this on XLA:CPU, which
   removes barriers before those passes. The dependency is a zero computed from `dy`'s first
   element (finite whatever that element is), subtracted: x - 0 is x, signed zeros included.
-  The GELU's and the norms' backward passes keep their barriers: there, a barrier measured a
-  smaller and faster ViT-S/16 step than this (and than neither: 4.2 GB of XLA temporaries).
+  The GELU's and the norms' backward passes keep their barriers, which still act in XLA's
+  earlier passes: there, ViT-S/16's step measured smaller and faster with a barrier than with
+  this, and largest with neither (docs/backbone_speed.md).
   """
   zero = (dy.reshape(-1)[0] > 0).astype(x.dtype) * 0
   return x - zero
@@ -169,7 +170,8 @@ def _conv_patches_fwd(x, kernel, strides, pads):
 def _conv_patches_bwd(strides, pads, residuals, dy):
   x, kernel = residuals
   if tuple(kernel.shape[:2]) == tuple(strides) != (1, 1):
-    # A ViT's patch embedding (windows side by side): `_after` measured 0.2 GB more peak RSS.
+    # A ViT's patch embedding (windows side by side, patches no larger than the input): its
+    # peak RSS measured higher with `_after` (docs/backbone_speed.md).
     x, dy = lax.optimization_barrier((x, dy))
   else:  # Else XLA keeps the forward pass's patches until here (1x1 convolutions' included).
     x = _after(x, dy)
@@ -317,8 +319,8 @@ def max_pool(inputs: jax.Array, window_shape: Sequence[int], strides: Sequence[i
   from the windows rather than by XLA's select-and-scatter.
 
   XLA:CPU expands select-and-scatter into a scatter with integer indices of the padded input's
-  size: for a ResNet's stem at 224 px and batch 32, 730 MB of temporaries and 0.37 s, where
-  this takes 126 MB and 0.12 s (docs/backbone_speed.md). The forward pass is the stock
+  size, several times this gradient's temporaries (tests/test_kernels.py) and slower, on a
+  ResNet's stem most of all (a 112x112x64 input at 224 px). The forward pass is the stock
   function's; the gradient goes, in each window, to the first input (in the window's row-major
   order) equal to the maximum, as select-and-scatter's `>=` picks it. Any other pooling (1-D or
   3-D windows, integer inputs) runs as the stock function.
