@@ -17,17 +17,32 @@ import models
 
 DINOV2 = ('vit_small_patch14_dinov2', 'vit_small_patch14_reg4_dinov2',
           'vit_base_patch14_dinov2', 'vit_base_patch14_reg4_dinov2')
-# Logits at 56 px (4x4 patches of 14) keep the CPU's work small; the ViT-Bs take longer.
+FAMILIES = (*DINOV2, 'deit_small_distilled_patch16_224', 'vit_base_patch16_clip_224',
+            'vit_base_patch16_clip_quickgelu_224', 'vit_base_patch16_siglip_224')
+# Logits at 56 px (4x4 patches of 14) keep the CPU's work small.
 SIZE = 56
-SLOW = ('vit_base_patch14_dinov2', 'vit_base_patch14_reg4_dinov2')
+# The logits are compared on both sides' models cut to 2 blocks (timm's `depth`): the blocks
+# are one class repeated, so 12 would check the same code 6 times over, at 6 times the cost
+# (a ViT-B's 86M random weights, built, saved and loaded twice). The registered depth is
+# checked by `test_parameters_at_the_registered_depth_are_timms`.
+DEPTH = 2
 
 
-@pytest.mark.parametrize('name', [
-    pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else []) for name in DINOV2])
+@pytest.mark.parametrize('name', FAMILIES)
+def test_parameters_at_the_registered_depth_are_timms(name):
+  """Every block of the registered model: as many parameters as timm's model of that name."""
+  factory = models.MODELS.entry(name).factory
+  model = nnx.eval_shape(lambda: factory((SIZE, SIZE, 3), timm_helpers.NUM_CLASSES,
+                                         layers=kernels.STOCK_LAYERS, rngs=nnx.Rngs(0)))
+  count = sum(np.size(leaf) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert count == timm_helpers.timm_parameter_count(name, img_size=SIZE)
+
+
+@pytest.mark.parametrize('name', DINOV2)
 def test_same_logits_and_parameters_as_timm(name, tmp_path):
-  torch_model = timm_helpers.timm_model(name, img_size=SIZE)
+  torch_model = timm_helpers.timm_model(name, img_size=SIZE, depth=DEPTH)
   path = timm_helpers.save_safetensors(torch_model, tmp_path / f'{name}.safetensors')
-  model = create_backbone(name, image_shape=(SIZE, SIZE, 3))
+  model = create_backbone(name, image_shape=(SIZE, SIZE, 3), depth=DEPTH)
   loaded, fresh = weights.load_pretrained(model, name, path)
   assert not fresh
   assert len(loaded) == len(torch_model.state_dict())
@@ -42,7 +57,7 @@ def test_518_px_weights_at_another_size_as_timm_resamples_them(name, image_size,
   """timm's weights are for 518 px (37x37 patches); fine-tuning at another size takes its
   position embedding resampled as timm resamples it for a model of that size (the class
   token's row kept, or no such row with registers)."""
-  timm_helpers.assert_resampled_as_timm(name, image_size, tmp_path)
+  timm_helpers.assert_resampled_as_timm(name, image_size, tmp_path, depth=DEPTH)
 
 
 @pytest.mark.parametrize('grid', [(4, 4), (16, 16), (3, 5)])
@@ -59,9 +74,7 @@ def test_resample_pos_embed_without_prefix_rows_matches_timm(grid):
                              atol=1e-5)
 
 
-@pytest.mark.parametrize('name', [*DINOV2, 'deit_small_distilled_patch16_224',
-                                  'vit_base_patch16_clip_224', 'vit_base_patch16_clip_quickgelu_224',
-                                  'vit_base_patch16_siglip_224'])
+@pytest.mark.parametrize('name', FAMILIES)
 def test_pretrained_cfg_is_timms_default(name):
   requires_extras('timm')
   import timm  # pylint: disable=g-import-not-at-top
@@ -105,9 +118,9 @@ def test_distillation_token_and_pre_norm_are_in_timms_layer_groups(name, stem):
 def test_same_logits_pooled_features_and_parameters_as_timm(name, size, tmp_path):
   """DeiT's two heads averaged, as timm's at eval, its pooled features the two tokens' mean;
   CLIP's and SigLIP's image towers."""
-  torch_model = timm_helpers.timm_model(name, img_size=size)
+  torch_model = timm_helpers.timm_model(name, img_size=size, depth=DEPTH)
   path = timm_helpers.save_safetensors(torch_model, tmp_path / f'{name}.safetensors')
-  model = create_backbone(name, image_shape=(size, size, 3))
+  model = create_backbone(name, image_shape=(size, size, 3), depth=DEPTH)
   loaded, fresh = weights.load_pretrained(model, name, path)
   assert not fresh and len(loaded) == len(torch_model.state_dict())
   assert sum(np.size(leaf) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))) == sum(
@@ -125,9 +138,10 @@ def test_headless_weights_load_as_a_backbone_with_a_new_head(name, size, tmp_pat
   import timm  # pylint: disable=g-import-not-at-top
   import torch  # pylint: disable=g-import-not-at-top
   torch.manual_seed(0)
-  torch_model = timm.create_model(name, pretrained=False, num_classes=0, img_size=size)
+  torch_model = timm.create_model(name, pretrained=False, num_classes=0, img_size=size,
+                                  depth=DEPTH)
   path = timm_helpers.save_safetensors(torch_model, tmp_path / f'{name}.safetensors')
-  model = create_backbone(name, image_shape=(size, size, 3))
+  model = create_backbone(name, image_shape=(size, size, 3), depth=DEPTH)
   loaded, fresh = weights.load_pretrained(model, name, path)
   assert len(loaded) == len(torch_model.state_dict())
   assert sorted(fresh) == [f'head.bias (not in {path})', f'head.kernel (not in {path})']

@@ -58,9 +58,13 @@ def run_once(function, *args):
 
 
 def create_backbone(name: str, image_shape=(224, 224, 3), num_classes=7,
-                    layers: kernels.Layers = kernels.STOCK_LAYERS, **options) -> nnx.Module:
+                    layers: kernels.Layers = kernels.STOCK_LAYERS, depth: int | None = None,
+                    **options) -> nnx.Module:
   """Our `name` through the registry, initialised in one program compiled at XLA's lowest
-  optimisation level (`run_once`): several times faster than initialised op by op."""
+  optimisation level (`run_once`): several times faster than initialised op by op. With
+  `depth`, a ViT of that many blocks (timm's `depth` argument), the rest as registered."""
   factory = models.MODELS.entry(name).factory
+  if depth is not None:
+    factory = type(factory.__name__, (factory,), {'depth': depth})
   return run_once(lambda: factory(image_shape, num_classes, layers=layers, rngs=nnx.Rngs(0),
                                   **options))

@@ -49,6 +49,17 @@ def timm_model(name: str, **kwargs):
   return model
 
 
+def timm_parameter_count(name: str, **kwargs) -> int:
+  """The number of parameters of timm's `name`, built on PyTorch's meta device (shapes, no
+  values: a ViT-B in well under a second)."""
+  requires_extras('timm', 'torch')
+  import timm  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  with torch.device('meta'):
+    model = timm.create_model(name, pretrained=False, num_classes=NUM_CLASSES, **kwargs)
+  return sum(parameter.numel() for parameter in model.parameters())
+
+
 def save_safetensors(torch_model, path) -> str:
   import safetensors.torch  # pylint: disable=g-import-not-at-top
   safetensors.torch.save_file(torch_model.state_dict(), str(path))
@@ -92,17 +103,19 @@ def assert_same_pooled_features(torch_model, model: nnx.Module, images: np.ndarr
   np.testing.assert_allclose(features, expected, atol=1e-4 * max(1.0, np.abs(expected).max()))
 
 
-def assert_resampled_as_timm(name: str, image_size: tuple[int, int], directory) -> None:
+def assert_resampled_as_timm(name: str, image_size: tuple[int, int], directory,
+                             **options) -> None:
   """timm's weights of ViT `name` at its own size, imported into our `name` at `image_size`,
   give the logits of timm's model at that size with the weights resampled by timm's
-  `checkpoint_filter_fn`: our position embedding is resampled as timm resamples it."""
+  `checkpoint_filter_fn`: our position embedding is resampled as timm resamples it. `options`
+  (e.g. `depth`) go to both models."""
   requires_extras('timm', 'torch', 'safetensors')
   from timm.models import vision_transformer  # pylint: disable=g-import-not-at-top
-  checkpoint_model = timm_model(name)
+  checkpoint_model = timm_model(name, **options)
   path = save_safetensors(checkpoint_model, directory / f'{name}.safetensors')
-  torch_model = timm_model(name, img_size=image_size)
+  torch_model = timm_model(name, img_size=image_size, **options)
   torch_model.load_state_dict(
       vision_transformer.checkpoint_filter_fn(checkpoint_model.state_dict(), torch_model))
-  model = create_backbone(name, image_shape=(*image_size, 3))
+  model = create_backbone(name, image_shape=(*image_size, 3), **options)
   assert weights.load_pretrained(model, name, path)[1] == []
   assert_same_logits(torch_model, model, images(*image_size))
