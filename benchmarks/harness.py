@@ -232,9 +232,10 @@ def utc_now() -> str:
 
 
 def provenance() -> dict:
-  """What an artefact records beside its figures: command, commit, machine and date (UTC)."""
+  """What an artefact records beside its figures: command, commit, machine, date (UTC), and
+  the XLA flags of the environment (they change what XLA:CPU compiles), None if unset."""
   return {'command': command_line(sys.argv), **git_commit(), 'machine': machine(),
-          'date': utc_now()}
+          'date': utc_now(), 'xla_flags': os.environ.get('XLA_FLAGS')}
 
 
 def write_json(path: str, figures: dict) -> None:

@@ -79,7 +79,7 @@ def flop(subscripts: str, shapes) -> int:
 def main(argv):
   del argv
   import torch  # pylint: disable=g-import-not-at-top
-  torch.set_num_threads(os.cpu_count() or 1)
+  torch.set_num_threads(len(os.sched_getaffinity(0)))  # As benchmarks.backbones.
   rng = np.random.default_rng(0)
   rows = []
   for matmul in matmuls(FLAGS.model, FLAGS.batch_size):
@@ -115,7 +115,7 @@ def main(argv):
   if FLAGS.json:
     harness.write_json(FLAGS.json, {
         'model': FLAGS.model, 'batch_size': FLAGS.batch_size, 'image_size': SIZE,
-        'calls': FLAGS.calls, 'rounds': FLAGS.rounds, 'xla_flags': os.environ.get('XLA_FLAGS'),
+        'calls': FLAGS.calls, 'rounds': FLAGS.rounds,
         'step_matmul_seconds': totals, 'matmuls': rows})
 
 

@@ -51,9 +51,10 @@ def test_markdown_table_aligns_the_columns_it_is_told_to():
       '| name | rate |\n| --- | ---: |\n| a | 1.5 |\n| b | 20 |')
 
 
-def test_an_artefact_records_command_commit_machine_and_date(tmp_path, monkeypatch):
+def test_an_artefact_records_command_commit_machine_date_and_xla_flags(tmp_path, monkeypatch):
   monkeypatch.setattr(sys, 'argv', [os.path.join(ROOT, 'benchmarks', 'peer.py'), '--rounds=1',
                                     '--json=a b.json'])
+  monkeypatch.setenv('XLA_FLAGS', '--xla_cpu_enable_fast_math=false')
   path = tmp_path / 'figures.json'
   harness.write_json(str(path), {'rows': [1, 2]})
   artefact = json.loads(path.read_text())
@@ -63,6 +64,7 @@ def test_an_artefact_records_command_commit_machine_and_date(tmp_path, monkeypat
   assert artefact['machine']['usable_cores'] == len(os.sched_getaffinity(0))
   assert set(harness.ISA_FEATURES) <= artefact['machine'].keys()
   assert artefact['date'].endswith('+00:00')
+  assert artefact['xla_flags'] == '--xla_cpu_enable_fast_math=false'
   assert os.listdir(tmp_path) == ['figures.json']  # No temporary file left.
 
 
