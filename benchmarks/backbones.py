@@ -154,21 +154,26 @@ def dataset_info(steps_per_epoch: int = 1):
 
 
 def measure_jax(configuration: str, model: str, dtype: str) -> dict:
-  """Times this app's train step of `model` (configs/finetune.py's recipe) in `dtype`."""
+  """Times this app's train step of `model` (configs/finetune.py's recipe) in `dtype`, its
+  batch split over every device as training splits it (several on a CPU with
+  `XLA_FLAGS=--xla_force_host_platform_device_count=N`)."""
   run = app_run(configuration, model, dtype)
   # pylint: disable=g-import-not-at-top
   import jax
   import numpy as np
+  from training import parallel
   from training import state as state_lib
   # pylint: enable=g-import-not-at-top
   steps_per_epoch = FLAGS.warmup + FLAGS.steps  # One epoch: the schedule warms up over it.
   info = dataset_info(steps_per_epoch)
+  mesh = parallel.create_mesh()
+  jax.set_mesh(mesh)  # As training sets it: the state is replicated over the devices.
   state = state_lib.create(run.model, info, run.optimization,
                            run.optimization.learning_rate_schedule(steps_per_epoch),
                            seed=run.seed, ema_decay=run.ema_decay)
   train_step = state_lib.make_train_step(run.loss(info.num_classes), run.input.preprocess)
   labels = np.random.default_rng(1).integers(0, NUM_CLASSES, FLAGS.batch_size, np.int32)
-  batch = {'image': jax.numpy.asarray(random_images()), 'label': jax.numpy.asarray(labels)}
+  batch = parallel.shard({'image': random_images(), 'label': labels}, mesh)
 
   def step():  # Waits for the device: timed_steps times each step whole.
     train_step(state, batch)
@@ -176,7 +181,8 @@ def measure_jax(configuration: str, model: str, dtype: str) -> dict:
 
   figures = timed_steps(step)
   return {**figures, 'threads': len(os.sched_getaffinity(0)),
-          'device_name': jax.devices()[0].device_kind, 'ema_decay': run.ema_decay}
+          'device_name': jax.devices()[0].device_kind, 'devices': jax.device_count(),
+          'ema_decay': run.ema_decay}
 
 
 def measure_app_inference(configuration: str, model: str, dtype: str) -> dict:
@@ -332,7 +338,8 @@ def summarize(every_round: dict[tuple[str, str, str], list[dict]]) -> list[dict]
                  **{key: harness.median([run[key] for run in runs])
                     for key in ('images_per_sec', 'median_step_seconds', 'first_step_seconds',
                                 'load_1min', 'peak_rss_mb')},
-                 'threads': runs[0]['threads'], 'device_name': runs[0]['device_name']})
+                 'threads': runs[0]['threads'], 'device_name': runs[0]['device_name'],
+                 'devices': runs[0].get('devices')})  # JAX's; None for PyTorch's.
   for row in rows:
     torch_rates = [other['images_per_sec'] for other in rows
                    if (other['model'], other['dtype']) == (row['model'], row['dtype'])
