@@ -216,8 +216,8 @@ def test_avg_pool_computes_every_other_pooling_as_the_stock_function(arguments):
 
 def test_conv_gradient_does_not_keep_every_layers_patches_from_the_forward_pass():
   # Six 3x3 layers: if XLA shared the backward passes' patches with the forward pass's (as it
-  # did through an optimization barrier), all six would be held at once: 7.6 patch matrices
-  # of temporaries, against 4.8 when each is rebuilt in its backward pass.
+  # did through an optimization barrier), all six would be held at once, beside the other
+  # temporaries; rebuilt in each backward pass, they are held one or two at a time.
   x = jax.random.normal(jax.random.key(0), (8, 32, 32, 16))
   kernel_list = [0.1 * jax.random.normal(jax.random.key(i), (3, 3, 16, 16)) for i in range(6)]
   pads = ((1, 1), (1, 1))
