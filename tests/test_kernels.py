@@ -243,13 +243,15 @@ def test_max_pool_and_its_gradient_equal_nnx_max_pool(shape, arguments, dtype):
   # Rounded normals after a ReLU: most windows hold tied maxima (zeros after a ResNet's ReLU),
   # where the gradient must go to the input select-and-scatter picks.
   x = jnp.maximum(jnp.round(2 * jax.random.normal(jax.random.key(4), shape)), 0).astype(dtype)
-  fast = lambda x: cpu.max_pool(x, **arguments)
-  stock = lambda x: nnx.max_pool(x, **arguments)
+  # Jitted: one compilation each rather than one per operation.
+  fast = jax.jit(lambda x: cpu.max_pool(x, **arguments))
+  stock = jax.jit(lambda x: nnx.max_pool(x, **arguments))
   np.testing.assert_array_equal(fast(x), stock(x))
   # Integer cotangents: the sums over overlapping windows are exact in any order.
   cotangent = jax.random.randint(jax.random.key(5), stock(x).shape, -3, 4).astype(dtype)
   loss = lambda f: lambda x: jnp.vdot(f(x).astype(jnp.float32), cotangent.astype(jnp.float32))
-  np.testing.assert_array_equal(jax.grad(loss(fast))(x), jax.grad(loss(stock))(x))
+  np.testing.assert_array_equal(jax.jit(jax.grad(loss(fast)))(x),
+                                jax.jit(jax.grad(loss(stock)))(x))
 
 
 def test_max_pool_gradient_needs_a_fraction_of_select_and_scatter_temporaries():
