@@ -169,10 +169,15 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]],
 # The machine and the artefact.
 
 def parse_lscpu(text: str) -> dict[str, str | bool]:
-  """The CPU's model name and which of ISA_FEATURES it has, from `lscpu`'s output."""
-  fields = dict(line.split(':', 1) for line in text.splitlines() if ':' in line)
+  """The CPU's model name, family and model number, and which of ISA_FEATURES it has, from
+  `lscpu`'s output. A cloud VM's name can be the vendor's line alone ('AMD EPYC'): its family
+  and model number tell the generation (AMD's family 25 model 17 is Zen 4, Genoa)."""
+  fields = {name.strip(): value.strip() for name, value in
+            (line.split(':', 1) for line in text.splitlines() if ':' in line)}
   features = set(fields.get('Flags', '').split())
-  return {'cpu_model': fields.get('Model name', 'unknown').strip(),
+  return {'cpu_model': fields.get('Model name', 'unknown'),
+          'cpu_family': fields.get('CPU family', 'unknown'),
+          'cpu_model_number': fields.get('Model', 'unknown'),
           **{feature: feature in features for feature in ISA_FEATURES}}
 
 
@@ -199,7 +204,9 @@ def machine_line(described: dict) -> str:
   """One line naming the CPU, its ISA features, cores and library versions (`machine()`'s)."""
   features = ', '.join(f'{feature} {"yes" if described[feature] else "no"}'
                        for feature in ISA_FEATURES)
-  return (f'CPU: {described["cpu_model"]}; {features}; {described["usable_cores"]} cores usable '
+  return (f'CPU: {described["cpu_model"]} (family {described["cpu_family"]}, '
+          f'model {described["cpu_model_number"]}); {features}; '
+          f'{described["usable_cores"]} cores usable '
           f'({described["cpu_count"]} online); torch {described["torch"]}, '
           f'jax {described["jax"]}')
 

@@ -13,26 +13,31 @@ from benchmarks import record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Abridged `lscpu` of a Sapphire Rapids VM and of an AMD EPYC.
+# Abridged `lscpu` of a Sapphire Rapids VM and of an AMD EPYC (Zen 3, AVX2).
 SAPPHIRE_RAPIDS = """\
 Architecture:            x86_64
+CPU family:              6
+Model:                   143
 Model name:              Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
 Flags:                   fpu avx avx2 fma avx512f avx512dq avx512bw avx512_bf16 amx_bf16 amx_tile
 """
 EPYC = """\
 Model name:              AMD EPYC
+CPU family:              25
+Model:                   1
 Flags:                   fpu sse sse2 avx fma avx2 smep bmi2 vaes
 """
 
 
 @pytest.mark.parametrize('lscpu, expected', [
     (SAPPHIRE_RAPIDS, {'cpu_model': 'Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz',
-                       'avx2': True, 'avx512f': True, 'avx512_bf16': True, 'amx_bf16': True,
-                       'amx_tile': True}),
-    (EPYC, {'cpu_model': 'AMD EPYC', 'avx2': True, 'avx512f': False, 'avx512_bf16': False,
-            'amx_bf16': False, 'amx_tile': False}),
-    ('', {'cpu_model': 'unknown', 'avx2': False, 'avx512f': False, 'avx512_bf16': False,
-          'amx_bf16': False, 'amx_tile': False}),
+                       'cpu_family': '6', 'cpu_model_number': '143', 'avx2': True,
+                       'avx512f': True, 'avx512_bf16': True, 'amx_bf16': True, 'amx_tile': True}),
+    (EPYC, {'cpu_model': 'AMD EPYC', 'cpu_family': '25', 'cpu_model_number': '1', 'avx2': True,
+            'avx512f': False, 'avx512_bf16': False, 'amx_bf16': False, 'amx_tile': False}),
+    ('', {'cpu_model': 'unknown', 'cpu_family': 'unknown', 'cpu_model_number': 'unknown',
+          'avx2': False, 'avx512f': False, 'avx512_bf16': False, 'amx_bf16': False,
+          'amx_tile': False}),
 ])
 def test_parse_lscpu(lscpu, expected):
   assert harness.parse_lscpu(lscpu) == expected
@@ -42,8 +47,8 @@ def test_machine_line_says_yes_or_no_for_each_feature():
   machine = {**harness.parse_lscpu(EPYC), 'cpu_count': 2, 'usable_cores': 2, 'torch': '2.14.1',
              'jax': '0.10.2'}
   assert harness.machine_line(machine) == (
-      'CPU: AMD EPYC; avx2 yes, avx512f no, avx512_bf16 no, amx_bf16 no, amx_tile no; 2 cores '
-      'usable (2 online); torch 2.14.1, jax 0.10.2')
+      'CPU: AMD EPYC (family 25, model 1); avx2 yes, avx512f no, avx512_bf16 no, amx_bf16 no, '
+      'amx_tile no; 2 cores usable (2 online); torch 2.14.1, jax 0.10.2')
 
 
 def test_markdown_table_aligns_the_columns_it_is_told_to():
