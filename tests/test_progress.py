@@ -73,6 +73,21 @@ def test_progress_lines_count_finished_steps_not_dispatched_ones(monkeypatch):
   assert (done, num_steps) == (4, 8)
 
 
+def test_the_epoch_speed_is_timed_from_the_end_of_its_first_step_not_its_dispatch():
+  state, train_step = create(model='mlp')
+  train_step(state, random_batch())
+  # The first step's outputs, still being computed when its hooks run: a loss sum that takes a
+  # fraction of a second (compiled beforehand, so that the call only dispatches it).
+  slow_loss = jax.jit(lambda a: jnp.sum(jax.lax.fori_loop(0, 300, lambda _, b: b @ a / 512, a)))
+  a = jnp.ones((512, 512))
+  slow_loss(a).block_until_ready()
+  state.window.loss[...] = slow_loss(a)
+  assert not state.window.loss[...].is_ready()
+  loop = hooks.Loop(state, steps_per_epoch=4, num_steps=8, step=1)
+  hooks.TrainMetrics(None, None, None, every_steps=100, batch_size=8).after_step(loop)
+  assert state.window.loss[...].is_ready()  # The clock started when the step had ended.
+
+
 def test_a_training_step_that_does_not_fit_names_the_batch_size():
   def train_step(state, batch):
     raise jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory allocating 6442450944 '

@@ -213,6 +213,9 @@ class TrainMetrics(Hook):
 
   def after_step(self, loop):
     if self._epoch_start is None or loop.step % loop.steps_per_epoch == 1:
+      # Timed from the end of the epoch's first step (the first epoch's compilation apart),
+      # which is dispatched but may still run: its loss sum is ready when it has ended.
+      jax.block_until_ready(loop.state.window.loss[...])
       self._epoch_start = time.time(), loop.step
     if not (every(loop.step, self._every) or loop.end_of_epoch):
       return
