@@ -198,6 +198,7 @@ def _compile(session: Session, state: state_lib.TrainState, class_counts):
       input_pipeline.batch_layout(info, session.eval_batch_size, mask=True), session.mesh)
   for during in _evaluations(run, during_training=True):
     during.compile(state.eval_model(), eval_layout, info)
+  runtime.release_freed_memory()  # The compiler's: else it adds to the steps' peak memory.
   return train_step
 
 

@@ -1,5 +1,6 @@
 """core.runtime's malloc setting for XLA:CPU: freed blocks up to MMAP_THRESHOLD stay mapped
-for reuse, larger ones go back to the system (kept, they fragmented the one arena)."""
+for reuse, larger ones go back to the system (kept, they fragmented the one arena), and the
+freed memory kept goes back when asked (after compiling)."""
 
 import subprocess
 import sys
@@ -10,27 +11,37 @@ import pytest
 from core import runtime
 
 
+_PROCESS = '''
+    import ctypes, resource
+    from core import runtime
+    assert runtime.keep_freed_memory()
+    libc = ctypes.CDLL('libc.so.6')
+    libc.malloc.restype = ctypes.c_void_p
+    def allocate(size):  # Written, so resident.
+      block = libc.malloc(size)
+      ctypes.memset(block, 1, size)
+      return block
+    def resident():
+      with open('/proc/self/statm') as file:
+        return int(file.read().split()[1]) * resource.getpagesize() / 2**20
+    '''
+
+
+def _printed_numbers(script: str) -> list[float]:
+  """What a fresh process with the malloc setting prints running `script` after `_PROCESS`."""
+  output = subprocess.run([sys.executable, '-c', textwrap.dedent(_PROCESS) + script],
+                          capture_output=True, text=True, check=True).stdout
+  return [float(number) for number in output.split()]
+
+
 def _resident_mb_after(block_mb: int) -> tuple[float, float]:
-  """In a fresh process with the malloc setting: the resident MB before a `block_mb` block is
-  allocated (and written), and after it is freed."""
-  script = textwrap.dedent(f'''
-      import ctypes, resource
-      from core import runtime
-      assert runtime.keep_freed_memory()
-      libc = ctypes.CDLL('libc.so.6')
-      libc.malloc.restype = ctypes.c_void_p
-      def resident():
-        with open('/proc/self/statm') as file:
-          return int(file.read().split()[1]) * resource.getpagesize() / 2**20
+  """The resident MB before a `block_mb` block is allocated (and written), and after it is
+  freed."""
+  return tuple(_printed_numbers(textwrap.dedent(f'''
       before = resident()
-      block = libc.malloc({block_mb} << 20)
-      ctypes.memset(block, 1, {block_mb} << 20)
-      libc.free(ctypes.c_void_p(block))
+      libc.free(ctypes.c_void_p(allocate({block_mb} << 20)))
       print(before, resident())
-      ''')
-  output = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
-                          check=True).stdout.split()
-  return float(output[0]), float(output[1])
+      ''')))
 
 
 @pytest.mark.skipif(not sys.platform.startswith('linux'), reason='glibc malloc on Linux only')
@@ -40,3 +51,18 @@ def test_blocks_under_the_threshold_stay_mapped_and_larger_ones_go_back():
   assert after - before > 0.9 * small  # Kept for the next step's scratch memory.
   before, after = _resident_mb_after(large)
   assert after - before < 0.1 * large  # Unmapped when freed.
+
+
+@pytest.mark.skipif(not sys.platform.startswith('linux'), reason='glibc malloc on Linux only')
+def test_the_freed_memory_kept_among_live_blocks_goes_back_when_released():
+  # A compiler's leftovers: 1 MB blocks, every other one freed, so that no freed block is at the
+  # heap's end and no two freed ones are adjacent beyond a block.
+  kept, released = _printed_numbers(textwrap.dedent('''
+      blocks = [allocate(1 << 20) for _ in range(256)]
+      for block in blocks[::2]:
+        libc.free(ctypes.c_void_p(block))
+      before = resident()
+      assert runtime.release_freed_memory()
+      print(before, resident())
+      '''))
+  assert kept - released > 0.8 * 128  # The 128 freed MB, unmapped; the live 128 MB stay.
