@@ -5,7 +5,8 @@ RTLD_GLOBAL, so a later load of triton's own LLVM (torchvision pulls triton in t
 crashes the process with a segfault (tensorflow/tensorflow#124205). Loaded the other way round,
 both work, so triton, when installed, is imported here first.
 
-`start` tunes malloc for XLA:CPU and quiets the libraries' start-up notices; `StopSignals`
+`start` tunes malloc for XLA:CPU and quiets the libraries' start-up notices;
+`release_freed_memory` returns what a compiler freed before a program runs; `StopSignals`
 turns SIGTERM, SIGINT and SIGUSR1 (SLURM's warning before preemption or the time limit) into a
 request to save a checkpoint and stop, agreed by every process of a multi-process run through
 JAX's preemption sync (Orbax's `reached_preemption`).
