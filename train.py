@@ -190,15 +190,17 @@ def _compile(session: Session, state: state_lib.TrainState, class_counts):
   probe_features = run.probe_views is not None
   train_step = state_lib.make_train_step(run.loss(info.num_classes, class_counts),
                                          run.input.preprocess, features=probe_features)
-  if not probe_features:  # The step of features compiles in moments, on its first batch.
-    train_step.lower(state, parallel.abstract_batch(
-        input_pipeline.batch_layout(info, run.batch_size, train=run.input),
-        session.mesh)).compile()
+  # A step of features compiles in moments, on its first batch.
+  compiled = None if probe_features else train_step.lower(
+      state, parallel.abstract_batch(input_pipeline.batch_layout(info, run.batch_size,
+                                                                 train=run.input),
+                                     session.mesh)).compile()
   eval_layout = parallel.abstract_batch(
       input_pipeline.batch_layout(info, session.eval_batch_size, mask=True), session.mesh)
   for during in _evaluations(run, during_training=True):
     during.compile(state.eval_model(), eval_layout, info)
-  runtime.release_freed_memory()  # The compiler's: else it adds to the steps' peak memory.
+  if compiled is not None:  # Else the compiler's freed memory adds to a large step's peak.
+    runtime.release_compiler_memory(compiled)
   return train_step
 
 

@@ -184,8 +184,7 @@ def measure_jax(configuration: str, model: str, dtype: str) -> dict:
   # As training does (train._compile): compiled before the first batch, then the compiler's
   # freed memory returned; the first step's seconds include both.
   start = time.perf_counter()
-  train_step.lower(state, batch).compile()
-  runtime.release_freed_memory()
+  runtime.release_compiler_memory(train_step.lower(state, batch).compile())
   compile_seconds = time.perf_counter() - start
   figures = timed_steps(step)
   figures['first_step_seconds'] += compile_seconds

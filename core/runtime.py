@@ -6,10 +6,10 @@ crashes the process with a segfault (tensorflow/tensorflow#124205). Loaded the o
 both work, so triton, when installed, is imported here first.
 
 `start` tunes malloc for XLA:CPU and quiets the libraries' start-up notices;
-`release_freed_memory` returns what a compiler freed before a program runs; `StopSignals`
-turns SIGTERM, SIGINT and SIGUSR1 (SLURM's warning before preemption or the time limit) into a
-request to save a checkpoint and stop, agreed by every process of a multi-process run through
-JAX's preemption sync (Orbax's `reached_preemption`).
+`release_compiler_memory` returns what XLA's compiler freed before a large program runs;
+`StopSignals` turns SIGTERM, SIGINT and SIGUSR1 (SLURM's warning before preemption or the time
+limit) into a request to save a checkpoint and stop, agreed by every process of a
+multi-process run through JAX's preemption sync (Orbax's `reached_preemption`).
 """
 
 import ctypes
@@ -140,17 +140,28 @@ def keep_freed_memory() -> bool:
 
 def release_freed_memory() -> bool:
   """Returns the free pages of malloc's heap to the system (glibc's `malloc_trim`); returns
-  whether it could. Call it once after compiling a large program, before running it.
-
-  XLA's compiler frees hundreds of MB when it is done, which `keep_freed_memory` keeps in the
-  heap, in fragments among live blocks: the step's buffers (tens of MB each at 224 px) do not
-  fit in them and take fresh memory beside them, so the compiler's leftovers add to the step's
-  peak (ResNet-50, ViT-S/16 and EfficientNet-B0 at batch 32: docs/backbone_speed.md). Trimmed,
-  those pages are unmapped and the step maps only what it needs; memory freed by later steps
-  stays kept, as `keep_freed_memory` intends. Does nothing where libc is not glibc.
-  """
+  whether it could. Does nothing where libc is not glibc."""
   libc = _glibc()
   return libc is not None and libc.malloc_trim(0) in (0, 1)
+
+
+def release_compiler_memory(compiled) -> bool:
+  """`release_freed_memory()` before the first call of `compiled` (a `jax.stages.Compiled`) if
+  that program's scratch memory exceeds `MMAP_THRESHOLD`; returns whether it released.
+
+  XLA's compiler frees hundreds of MB when it is done, which `keep_freed_memory` keeps in the
+  heap, in fragments among live blocks: a large step's buffers (tens of MB each at 224 px) do
+  not fit in them and take fresh memory beside them, so the compiler's leftovers add to the
+  step's peak (ResNet-50, ViT-S/16 and EfficientNet-B0 at batch 32: docs/backbone_speed.md).
+  Trimmed, those pages are unmapped and the step maps only what it needs; memory freed by later
+  steps stays kept, as `keep_freed_memory` intends. A small step (MNIST's CNN: 92 MB) fits
+  among the fragments and gains nothing, and faulting the trimmed pages in again costs time:
+  the test suite's small runs, many to a process, were slower with every compilation released.
+  """
+  analysis = compiled.memory_analysis()
+  if analysis is None or analysis.temp_size_in_bytes <= MMAP_THRESHOLD:
+    return False
+  return release_freed_memory()
 
 
 def _glibc() -> ctypes.CDLL | None:

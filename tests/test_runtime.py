@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from core import runtime
@@ -66,3 +68,15 @@ def test_the_freed_memory_kept_among_live_blocks_goes_back_when_released():
       print(before, resident())
       '''))
   assert kept - released > 0.8 * 128  # The 128 freed MB, unmapped; the live 128 MB stay.
+
+
+@pytest.mark.skipif(not sys.platform.startswith('linux'), reason='glibc malloc on Linux only')
+def test_the_compilers_memory_is_released_before_a_large_program_only():
+  # Compiled, not run: the decision reads the program's scratch memory alone.
+  large = jax.jit(lambda a, b: jnp.sort((a @ b).reshape(-1))[:8]).lower(  # 256 MB a product.
+      jax.ShapeDtypeStruct((4096, 64), jnp.float32),
+      jax.ShapeDtypeStruct((64, 16384), jnp.float32)).compile()
+  small = jax.jit(lambda a: a * 2).lower(jax.ShapeDtypeStruct((8,), jnp.float32)).compile()
+  assert large.memory_analysis().temp_size_in_bytes > runtime.MMAP_THRESHOLD
+  assert runtime.release_compiler_memory(large)
+  assert not runtime.release_compiler_memory(small)
