@@ -190,11 +190,11 @@ def _compile(session: Session, state: state_lib.TrainState, class_counts):
   probe_features = run.probe_views is not None
   train_step = state_lib.make_train_step(run.loss(info.num_classes, class_counts),
                                          run.input.preprocess, features=probe_features)
-  # A step of features compiles in moments, on its first batch.
-  compiled = None if probe_features else train_step.lower(
-      state, parallel.abstract_batch(input_pipeline.batch_layout(info, run.batch_size,
-                                                                 train=run.input),
-                                     session.mesh)).compile()
+  compiled = None
+  if not probe_features:  # The step of features compiles in moments, on its first batch.
+    compiled = train_step.lower(state, parallel.abstract_batch(
+        input_pipeline.batch_layout(info, run.batch_size, train=run.input),
+        session.mesh)).compile()
   eval_layout = parallel.abstract_batch(
       input_pipeline.batch_layout(info, session.eval_batch_size, mask=True), session.mesh)
   for during in _evaluations(run, during_training=True):
