@@ -103,9 +103,18 @@ def define_flags() -> None:
 
 def timed_steps(step) -> dict:
   """Runs `step` (which waits for its work) --warmup + --steps times; the first call's seconds
-  (compilation included) and every timed step's seconds."""
-  times = harness.time_calls(step, FLAGS.warmup + FLAGS.steps)
-  return {'first_step_seconds': times[0], 'step_seconds': times[FLAGS.warmup:]}
+  (compilation included), every timed step's seconds, and the median timed step's page faults
+  (minor: fresh memory the kernel maps and zeroes, which the step's time includes)."""
+  faults = []
+
+  def counted_step():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    step()
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+
+  times = harness.time_calls(counted_step, FLAGS.warmup + FLAGS.steps)
+  return {'first_step_seconds': times[0], 'step_seconds': times[FLAGS.warmup:],
+          'page_faults_per_step': harness.median(faults[FLAGS.warmup:])}
 
 
 def register_toy_model() -> None:
@@ -345,7 +354,7 @@ def summarize(every_round: dict[tuple[str, str, str], list[dict]]) -> list[dict]
     rows.append({'model': model, 'dtype': dtype, 'configuration': configuration,
                  **{key: harness.median([run[key] for run in runs])
                     for key in ('images_per_sec', 'median_step_seconds', 'first_step_seconds',
-                                'load_1min', 'peak_rss_mb')},
+                                'load_1min', 'peak_rss_mb', 'page_faults_per_step')},
                  'threads': runs[0]['threads'], 'device_name': runs[0]['device_name'],
                  'devices': runs[0].get('devices')})  # JAX's; None for PyTorch's.
   for row in rows:
@@ -360,13 +369,14 @@ def markdown_table(rows: list[dict]) -> str:
   """The table of `rows` (summarize's)."""
   return harness.markdown_table(
       ['model', 'dtype', 'configuration', 'images/s', 'median step (s)',
-       'first step, compile included (s)', 'vs best PyTorch', 'peak RSS (MB)', 'threads',
-       'load (1 min)'],
+       'first step, compile included (s)', 'vs best PyTorch', 'peak RSS (MB)',
+       'page faults a step', 'threads', 'load (1 min)'],
       [[row['model'], row['dtype'], row['configuration'], f'{row["images_per_sec"]:,.2f}',
         f'{row["median_step_seconds"]:.3f}', f'{row["first_step_seconds"]:.1f}',
         f'{row["vs_best_torch"]:.2f}x' if row['vs_best_torch'] is not None else '',
-        f'{row["peak_rss_mb"]:,.0f}', row['threads'], f'{row["load_1min"]:.2f}']
-       for row in rows], align='lllrrrrrrr')
+        f'{row["peak_rss_mb"]:,.0f}', f'{row["page_faults_per_step"]:,.0f}', row['threads'],
+        f'{row["load_1min"]:.2f}']
+       for row in rows], align='lllrrrrrrrr')
 
 
 def selected_configurations() -> list[str]:

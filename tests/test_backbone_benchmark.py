@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _run(step_seconds: float) -> dict:
   return {'images_per_sec': 32 / step_seconds, 'median_step_seconds': step_seconds,
           'first_step_seconds': 10 * step_seconds, 'load_1min': 1.0, 'peak_rss_mb': 900.0,
-          'threads': 2,
+          'page_faults_per_step': 1000 * step_seconds, 'threads': 2,
           'device_name': 'cpu'}
 
 
@@ -29,6 +29,7 @@ def test_summary_takes_medians_and_compares_with_the_fastest_pytorch_of_its_mode
   rows = {(row['model'], row['dtype'], row['configuration']): row
           for row in backbones.summarize(every_round)}
   assert rows['resnet50', 'float32', 'jax_auto']['median_step_seconds'] == 3.0
+  assert rows['resnet50', 'float32', 'jax_auto']['page_faults_per_step'] == 3000
   # Against torch_compile (8 images/s), the faster PyTorch configuration of its model and dtype.
   assert rows['resnet50', 'float32', 'jax_auto']['vs_best_torch'] == pytest.approx(
       (32 / 3.0) / (32 / 4.0))
@@ -69,6 +70,7 @@ def test_benchmark_has_a_row_for_each_model_dtype_and_configuration(tmp_path, ta
     assert row['images_per_sec'] == pytest.approx(2 / row['median_step_seconds'])
     assert row['first_step_seconds'] > 0 and row['threads'] >= 1, key
     assert row['peak_rss_mb'] > 100, key  # A Python process with JAX or PyTorch in it.
+    assert row['page_faults_per_step'] >= 0, key
     assert f'| {" | ".join(key)} | ' in result.stdout, key
   assert rows['toy_resnet', 'float32', 'torch_eager']['vs_best_torch'] == 1.0
   assert result.stdout.startswith('CPU: ')  # The machine's line comes first.
