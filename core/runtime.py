@@ -128,10 +128,10 @@ def keep_freed_memory() -> bool:
   step faults in thousands of zeroed pages again. One malloc arena for all threads, no
   trimming, and blocks up to `MMAP_THRESHOLD` from that arena keep that memory mapped and
   reused. Larger blocks still get their own `mmap`: kept in the arena too, the blocks of a
-  224-px backbone's step fragmented it until the process held several times the step's memory,
-  while the page faults of blocks that large are small beside their step's compute. Python's
-  own allocations are unaffected. Measured on XLA:CPU only (docs/performance.md), hence
-  `tune_malloc_for_cpu`. Does nothing where libc is not glibc.
+  224-px backbone's step fragmented it until the process held several times the step's memory.
+  So such a step faults in its scratch memory at every call (docs/backbone_speed.md, "page
+  faults a step"). Python's own allocations are unaffected. Measured on XLA:CPU only
+  (docs/performance.md), hence `tune_malloc_for_cpu`. Does nothing where libc is not glibc.
   """
   libc = _glibc()
   return libc is not None and all(libc.mallopt(param, value) == 1 for param, value in (
