@@ -92,6 +92,11 @@ def load_config() -> ml_collections.ConfigDict:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  if FLAGS.mode in ('predict', 'embed'):  # A flag alone: refused before the imports below.
+    try:
+      cli.check_inputs(FLAGS.inputs, FLAGS.mode)
+    except errors.FlagError as error:
+      sys.exit(error.one_line())
   # pylint: disable=g-import-not-at-top  (after the flags: see above)
   import jax
   import tensorflow as tf

@@ -13,6 +13,8 @@ from absl import flags
 import ml_collections
 from ml_collections import config_flags
 
+from core import errors
+
 
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing (for `app.run(..., flags_parser=parse_flags)`), with one-line errors."""
@@ -39,6 +41,15 @@ def parse_flags(argv: list[str]) -> list[str]:
       sys.exit(f'Config error: the config file {config_file!r} has no get_config() function '
                'returning an ml_collections.ConfigDict.')
     _exit_unknown_key(error, argv)
+
+
+def check_inputs(inputs: str | None, mode: str) -> None:
+  """A `FlagError` if `--mode=<mode>` has no --inputs."""
+  if not inputs:
+    raise errors.FlagError(
+        f'--mode={mode} needs --inputs=PATH: an image file, a directory of images (searched '
+        'recursively), a glob pattern such as "photos/*.jpg" or a CSV file listing images.',
+        flag='inputs', value=inputs)
 
 
 def define_config(default_file: str, help_text: str,

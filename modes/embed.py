@@ -17,6 +17,7 @@ import os
 from absl import logging
 import numpy as np
 
+from core import cli
 from core import errors
 import models
 import modes
@@ -32,7 +33,7 @@ def embed(run: run_spec.Run, workdir: str, inputs: str | None,
           checkpoint: str = 'latest') -> str:
   """Writes the pooled features of each image under `inputs` to <workdir>/embeddings.npy and
   their files to <workdir>/embeddings.csv; returns the .npy's path."""
-  predict.check_inputs(inputs, 'embed')
+  cli.check_inputs(inputs, 'embed')
   if not hasattr(models.MODELS.entry(run.model.name).factory, 'pre_logits'):
     raise errors.ConfigError(
         f'--mode=embed: model {run.model.name!r} has no pooled features before its classifier: '

@@ -36,6 +36,7 @@ import jax
 import numpy as np
 import tensorflow as tf
 
+from core import cli
 from core import errors
 from core import progress
 from data_sources import base
@@ -132,17 +133,8 @@ class Images(NamedTuple):
   skipped: list[str]
 
 
-def check_inputs(inputs: str | None, mode: str) -> None:
-  """A `FlagError` if `--mode=<mode>` has no --inputs."""
-  if not inputs:
-    raise errors.FlagError(
-        f'--mode={mode} needs --inputs=PATH: an image file, a directory of images (searched '
-        'recursively), a glob pattern such as "photos/*.jpg" or a CSV file listing images.',
-        flag='inputs', value=inputs)
-
-
 def read_images(run: run_spec.Run, info: base.DatasetInfo, inputs: str) -> Images:
-  """The images under `inputs` (`check_inputs`); a `FlagError` if there is no readable image
+  """The images under `inputs` (`cli.check_inputs`); a `FlagError` if there is no readable image
   under it, or colour images for a grayscale model."""
   headers, skipped = image_files.read_headers(find_inputs(inputs))
   if not headers:
@@ -202,7 +194,7 @@ def predict(run: run_spec.Run, workdir: str, inputs: str | None, checkpoint: str
             top_k: int = 1, tta: str | None = None) -> str:
   """Writes the `top_k` most probable classes of each image under `inputs` to
   <workdir>/predictions.csv, with test-time augmentation `tta` (calibration.TTA_CHOICES)."""
-  check_inputs(inputs, 'predict')
+  cli.check_inputs(inputs, 'predict')
   info = modes.dataset_info(run, workdir)
   if not (isinstance(top_k, int) and 1 <= top_k <= info.num_classes):
     raise errors.FlagError(
