@@ -199,7 +199,7 @@ def _compile(session: Session, state: state_lib.TrainState, class_counts):
       input_pipeline.batch_layout(info, session.eval_batch_size, mask=True), session.mesh)
   for during in _evaluations(run, during_training=True):
     during.compile(state.eval_model(), eval_layout, info)
-  if compiled is not None:  # Else the compiler's freed memory adds to a large step's peak.
+  if compiled is not None:  # Released, the compiler's freed memory adds nothing to its peak.
     runtime.release_compiler_memory(compiled)
   return train_step
 
