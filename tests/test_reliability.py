@@ -262,6 +262,20 @@ def test_io_failure_reads_the_os_reason_from_every_library():
   assert checkpointing.io_failure(ValueError('a bug')) is None
 
 
+def test_io_failure_leaves_errors_that_are_not_the_disks():
+  """A host name that does not resolve (errno -2) under a library's connection error, and a
+  missing file, are not a full disk: they stay tracebacks or their own errors."""
+  try:
+    try:
+      raise socket.gaierror(socket.EAI_NONAME, 'Name or service not known')
+    except socket.gaierror as cause:
+      raise ConnectionError('metadata.google.internal') from cause
+  except ConnectionError as wrapped:
+    assert checkpointing.io_failure(wrapped) is None
+  assert checkpointing.io_failure(FileNotFoundError(errno.ENOENT, 'gone')) is None
+  assert checkpointing.io_failure(ValueError("failed [os_error_code='2']")) is None
+
+
 @pytest.mark.slow
 def test_a_save_that_fails_for_space_keeps_the_earlier_checkpoints_and_no_leftover(
     trained, tfds_data_dir, tmp_path, monkeypatch):
@@ -467,6 +481,23 @@ def test_asyncio_reports_of_orbax_tasks_are_not_printed():
   assert not runtime._not_reported_by_the_app(record('asyncio', exc_info))
   assert runtime._not_reported_by_the_app(record('asyncio', None))
   assert runtime._not_reported_by_the_app(record('absl', exc_info))
+
+
+def test_the_quiet_console_drops_the_info_lines_of_packages_wherever_they_are_installed():
+  """Libraries' INFO lines are hidden whether pip put them in a virtualenv (also one inside the
+  app's directory), in Debian's dist-packages (Cloud TPU VMs' system Python) or in a
+  `--target` folder on PYTHONPATH; the app's own lines, clu's and every warning are shown."""
+  app = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  def shown(path, level=logging.INFO):
+    return runtime._app_or_warning(logging.LogRecord('absl', level, path, 1, 'x', (), None))
+  for library in ('/venv/lib/python3.11/site-packages/orbax/checkpoint/a.py',
+                  '/usr/local/lib/python3.10/dist-packages/orbax/checkpoint/a.py',
+                  '/tmp/site/orbax/checkpoint/a.py',
+                  os.path.join(app, '.venv', 'lib', 'site-packages', 'tensorflow_datasets', 'a.py')):
+    assert not shown(library), library
+    assert shown(library, logging.WARNING), library
+  assert shown(os.path.join(app, 'training', 'hooks.py'))
+  assert shown('/usr/local/lib/python3.10/dist-packages/clu/parameter_overview.py')
 
 
 def _two_checkpoints(directory):

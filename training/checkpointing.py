@@ -41,21 +41,28 @@ CORRUPT_DIR = 'corrupt'  # Under CHECKPOINT_DIR: checkpoints that failed to rest
 RECORD_FILE = 'steps.json'  # Under CHECKPOINT_DIR: what is known of each step after its save.
 LAYOUT = 2  # Of the items above; checkpoints of other layouts are refused with one line.
 _MAX_LISTED = 6  # Differing keys named in a mismatch error.
+# The errnos of a write that the disk or its permissions refused: the user frees space or fixes
+# permissions and reruns (`io_failure`).
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES,
+                            errno.EPERM, errno.EIO})
 _CHECKPOINTS_OF_SPACE = 3  # Free space below this many checkpoints' size at start: a warning.
 
 
 def io_failure(error: BaseException) -> str | None:
-  """The OS's reason, such as 'No space left on device', if `error` is a failed write or read.
+  """The OS's reason, such as 'No space left on device', if `error` is a write that the disk
+  refused (`STORAGE_ERRNOS`).
 
   Python's file functions raise `OSError` with an errno. Orbax's TensorStore writes raise
   its own `ValueError`s and TensorFlow's file writers their own errors, which carry the errno
   only in their message (os_error_code='28'); no library offers a type for it, so it is read
-  from the message.
+  from the message. Other OSErrors are not the disk's: a host name that does not resolve is a
+  `socket.gaierror` of errno -2, a missing input file ENOENT.
   """
   while error is not None:
-    if isinstance(error, OSError) and error.errno:
+    if isinstance(error, OSError) and error.errno in STORAGE_ERRNOS:
       return os.strerror(error.errno)
-    if code := re.search(r"os_error_code='(\d+)'", str(error)):
+    if ((code := re.search(r"os_error_code='(\d+)'", str(error)))
+        and int(code.group(1)) in STORAGE_ERRNOS):
       return os.strerror(int(code.group(1)))
     if 'No space left on device' in str(error):
       return os.strerror(errno.ENOSPC)
