@@ -127,6 +127,20 @@ def test_bad_process_flags_exit_with_the_fix(tmp_path):
   assert 'a distinct --process_id in [0, num_processes)' in result.stderr
 
 
+def test_a_cluster_jax_cannot_read_leaves_a_single_process_and_a_warning():
+  """A process that JAX's detection takes for part of a cluster it then fails to read (here an
+  Open MPI address it cannot parse; on a TPU host, a metadata server out of reach) still trains
+  alone on its own devices, as a JAX program that never calls `initialize` would."""
+  program = ('from training import parallel; parallel.initialize(None, None, None); '
+             'import jax; print(jax.process_count(), jax.device_count())')
+  result = subprocess.run(
+      [sys.executable, '-c', program], cwd=ROOT, capture_output=True, text=True, timeout=120,
+      env={**os.environ, 'JAX_PLATFORMS': 'cpu', 'OMPI_MCA_orte_hnp_uri': '1.0;no-address'})
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.split() == ['1', str(jax.device_count())]
+  assert 'JAX found signs of a cluster but could not read it (RuntimeError' in result.stderr
+
+
 def test_eval_batches_pad_to_the_requested_number_of_batches():
   split = input_pipeline.InMemory(images=np.ones((7, 2, 2, 1), np.uint8),
                                labels=np.arange(7, dtype=np.int32))

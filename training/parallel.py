@@ -32,13 +32,24 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
   """Joins the multi-process JAX runtime; must run before anything touches a device.
 
   With no arguments, JAX detects the clusters it knows (SLURM, Open MPI, Cloud TPU, GKE, ...)
-  and otherwise this stays a single process.
+  and otherwise this stays a single process. So it does where JAX sees signs of a cluster but
+  cannot read it (a TPU host or container that cannot reach the metadata server JAX asks for
+  the slice's hosts, an Open MPI variable it cannot parse): a single host's devices still work
+  without joining anything, as they do for any JAX program that never calls `initialize`, and
+  a warning names the cause and the flags that join a cluster explicitly.
   """
   if (coordinator_address, num_processes, process_id) == (None, None, None):
     try:
       jax.distributed.initialize()
     except ValueError:  # No known cluster: JAX lacks a coordinator address.
       logging.info('No cluster detected: running as a single process.')
+    # JAX's detection raises RuntimeError of its own and the `requests` library's errors (an
+    # OSError) for a metadata server out of reach; the runtime is then still unstarted.
+    except (RuntimeError, OSError) as error:
+      logging.warning('JAX found signs of a cluster but could not read it (%s: %s): running as '
+                      'a single process. To join several processes, pass --coordinator_address, '
+                      '--num_processes and --process_id (docs/launch.md).',
+                      type(error).__name__, str(error).split('\n', 1)[0][:200])
     return
   try:
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
