@@ -229,14 +229,18 @@ def check(classifier: Classifier, export_format: str, exporter: Format, path: st
       0, 256, (_PROBE_IMAGES, _PROBE_DETAIL, _PROBE_DETAIL, channels), np.uint8)
   images = tf.cast(tf.round(tf.image.resize(coarse, size)), tf.uint8).numpy()
   prepared = classifier.prepare(images) if exporter.any_size else images
-  expected = np.asarray(jax.jit(classifier.closed)(prepared))
-  try:
-    difference = float(np.abs(exporter.run(path, images) - expected).max())
-    reason = f"its logits differ from the JAX model's by up to {difference:.3g}"
-  except errors.UserError:
-    raise
-  except Exception as error:  # pylint: disable=broad-except  (the runtime's, reported in one line)
-    difference, reason = np.inf, f'{type(error).__name__}: {str(error).splitlines()[0][:200]}'
+  # On the CPU, where the formats' runtimes run, both sides: the JAX model on a TPU would
+  # compute float32 matmuls in bfloat16 passes (JAX's default precision there), and a StableHLO
+  # export runs only on the platforms it was lowered for (`PLATFORMS`).
+  with jax.default_device(jax.devices('cpu')[0]):
+    expected = np.asarray(jax.jit(classifier.closed)(prepared))
+    try:
+      difference = float(np.abs(exporter.run(path, images) - expected).max())
+      reason = f"its logits differ from the JAX model's by up to {difference:.3g}"
+    except errors.UserError:
+      raise
+    except Exception as error:  # pylint: disable=broad-except  (the runtime's, in one line)
+      difference, reason = np.inf, f'{type(error).__name__}: {str(error).splitlines()[0][:200]}'
   if not difference <= _TOLERANCE * max(1.0, float(np.abs(expected).max())):  # NaN too.
     raise errors.DataError(
         f'The {export_format} export of this model at {path} does not run as the JAX model '
