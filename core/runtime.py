@@ -36,7 +36,6 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # Libraries whose INFO lines, through absl's logging, are shown: clu's parameter overview.
 _SHOWN_LIBRARIES = (f'{os.sep}clu{os.sep}',)
 _ORBAX = f'{os.sep}orbax{os.sep}'  # In the path of Orbax's source files.
-_APP_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PACKAGE_FOLDERS = ('site-packages', 'dist-packages')
 
 
@@ -99,12 +98,10 @@ def _app_or_warning(record: python_logging.LogRecord) -> bool:
 
 
 def _in_library(path: str) -> bool:
-  """Whether `path` is an installed package's file rather than the app's: outside the app's
-  directory (packages put on PYTHONPATH with `pip install --target`), or in a package
-  directory (a virtualenv inside it; Debian's and Ubuntu's system Python, as on Cloud TPU VMs,
-  installs into dist-packages)."""
-  return (not path.startswith(_APP_ROOT + os.sep)
-          or any(f'{os.sep}{folder}{os.sep}' in path for folder in _PACKAGE_FOLDERS))
+  """Whether `path` is an installed package's file rather than the app's or the user's own
+  (a config file or plug-in anywhere): in site-packages, or in dist-packages, where Debian's
+  and Ubuntu's system Python installs them (Colab, Cloud TPU VMs)."""
+  return any(f'{os.sep}{folder}{os.sep}' in path for folder in _PACKAGE_FOLDERS)
 
 
 def jax_will_run_on_cpu() -> bool:

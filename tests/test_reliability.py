@@ -483,20 +483,20 @@ def test_asyncio_reports_of_orbax_tasks_are_not_printed():
   assert runtime._not_reported_by_the_app(record('absl', exc_info))
 
 
-def test_the_quiet_console_drops_the_info_lines_of_packages_wherever_they_are_installed():
+def test_the_quiet_console_drops_the_info_lines_of_installed_packages():
   """Libraries' INFO lines are hidden whether pip put them in a virtualenv (also one inside the
-  app's directory), in Debian's dist-packages (Cloud TPU VMs' system Python) or in a
-  `--target` folder on PYTHONPATH; the app's own lines, clu's and every warning are shown."""
+  app's directory) or in Debian's dist-packages (the system Python of Colab and Cloud TPU
+  VMs); the app's own lines, a user's config file's, clu's and every warning are shown."""
   app = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   def shown(path, level=logging.INFO):
     return runtime._app_or_warning(logging.LogRecord('absl', level, path, 1, 'x', (), None))
   for library in ('/venv/lib/python3.11/site-packages/orbax/checkpoint/a.py',
                   '/usr/local/lib/python3.10/dist-packages/orbax/checkpoint/a.py',
-                  '/tmp/site/orbax/checkpoint/a.py',
                   os.path.join(app, '.venv', 'lib', 'site-packages', 'tensorflow_datasets', 'a.py')):
     assert not shown(library), library
     assert shown(library, logging.WARNING), library
   assert shown(os.path.join(app, 'training', 'hooks.py'))
+  assert shown('/home/me/experiments/my_config.py')
   assert shown('/usr/local/lib/python3.10/dist-packages/clu/parameter_overview.py')
 
 
