@@ -240,9 +240,11 @@ def utc_now() -> str:
 
 def provenance() -> dict:
   """What an artefact records beside its figures: command, commit, machine, date (UTC), and
-  the XLA flags of the environment (they change what XLA:CPU compiles), None if unset."""
+  the environment's XLA flags (they change what XLA:CPU compiles) and glibc tunables (they
+  change how malloc serves XLA's memory), each None if unset."""
   return {'command': command_line(sys.argv), **git_commit(), 'machine': machine(),
-          'date': utc_now(), 'xla_flags': os.environ.get('XLA_FLAGS')}
+          'date': utc_now(), 'xla_flags': os.environ.get('XLA_FLAGS'),
+          'glibc_tunables': os.environ.get('GLIBC_TUNABLES')}
 
 
 def write_json(path: str, figures: dict) -> None:

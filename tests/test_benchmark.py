@@ -56,10 +56,11 @@ def test_markdown_table_aligns_the_columns_it_is_told_to():
       '| name | rate |\n| --- | ---: |\n| a | 1.5 |\n| b | 20 |')
 
 
-def test_an_artefact_records_command_commit_machine_date_and_xla_flags(tmp_path, monkeypatch):
+def test_an_artefact_records_command_commit_machine_date_and_environment(tmp_path, monkeypatch):
   monkeypatch.setattr(sys, 'argv', [os.path.join(ROOT, 'benchmarks', 'peer.py'), '--rounds=1',
                                     '--json=a b.json'])
   monkeypatch.setenv('XLA_FLAGS', '--xla_cpu_enable_fast_math=false')
+  monkeypatch.setenv('GLIBC_TUNABLES', 'glibc.malloc.hugetlb=1')
   path = tmp_path / 'figures.json'
   harness.write_json(str(path), {'rows': [1, 2]})
   artefact = json.loads(path.read_text())
@@ -70,6 +71,7 @@ def test_an_artefact_records_command_commit_machine_date_and_xla_flags(tmp_path,
   assert set(harness.ISA_FEATURES) <= artefact['machine'].keys()
   assert artefact['date'].endswith('+00:00')
   assert artefact['xla_flags'] == '--xla_cpu_enable_fast_math=false'
+  assert artefact['glibc_tunables'] == 'glibc.malloc.hugetlb=1'
   assert os.listdir(tmp_path) == ['figures.json']  # No temporary file left.
 
 
