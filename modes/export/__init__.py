@@ -232,7 +232,7 @@ def check(classifier: Classifier, export_format: str, exporter: Format, path: st
   # On the CPU, where the formats' runtimes run, both sides: the JAX model on a TPU would
   # compute float32 matmuls in bfloat16 passes (JAX's default precision there), and a StableHLO
   # export runs only on the platforms it was lowered for (`PLATFORMS`).
-  with jax.default_device(jax.devices('cpu')[0]):
+  with jax.default_device(_cpu_or_default_device()):
     expected = np.asarray(jax.jit(classifier.closed)(prepared))
     try:
       difference = float(np.abs(exporter.run(path, images) - expected).max())
@@ -247,3 +247,12 @@ def check(classifier: Classifier, export_format: str, exporter: Format, path: st
         f'({reason}): this model has a layer the converter does not carry; use another '
         f'--export_format (one of {FORMATS.names()}).', what=path, export_format=export_format)
   return difference
+
+
+def _cpu_or_default_device() -> jax.Device:
+  """This process's first CPU device; its default device where $JAX_PLATFORMS leaves the CPU
+  out (e.g. 'cuda', whose exports are lowered for it too)."""
+  try:
+    return jax.local_devices(backend='cpu')[0]
+  except RuntimeError:  # JAX has no CPU backend in this process.
+    return jax.local_devices()[0]
