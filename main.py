@@ -27,11 +27,13 @@ import ml_collections
 from ml_collections import config_flags
 
 from core import cli
+from core import config_values
 from core import errors
 from core import saved_config
 
-# TensorFlow, JAX and the app's modules are imported in `main`, once the flags have parsed: a
-# mistyped flag or config key is refused in about a second instead of after ~10 s of imports.
+# TensorFlow, JAX and the app's modules are imported in `main`, once the flags have parsed and
+# the config's numbers are checked: a mistyped flag or config key, or a number out of its
+# interval, is refused in about a second instead of after ~10 s of imports.
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs', 'default.py')
 FLAGS = flags.FLAGS
@@ -92,11 +94,12 @@ def load_config() -> ml_collections.ConfigDict:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  if FLAGS.mode in ('predict', 'embed'):  # A flag alone: refused before the imports below.
-    try:
+  try:  # Refused before the imports below: a flag alone, a config's numbers.
+    if FLAGS.mode in ('predict', 'embed'):
       cli.check_inputs(FLAGS.inputs, FLAGS.mode)
-    except errors.FlagError as error:
-      sys.exit(error.one_line())
+    config_values.check(load_config())
+  except errors.UserError as error:
+    sys.exit(error.one_line())
   # pylint: disable=g-import-not-at-top  (after the flags: see above)
   import jax
   import tensorflow as tf

@@ -97,6 +97,18 @@ def _main(*args):
                         text=True, timeout=300)
 
 
+@pytest.mark.parametrize('override', ['--config.num_epochs=0', '--config.learning_rate=-1',
+                                      "--config.freeze=['(']"])
+def test_a_config_number_mistake_is_refused_before_jax_starts(tmp_path, override):
+  """Refused by main.py before it imports TensorFlow and JAX: the line that JAX's start logs
+  never comes."""
+  result = _main('--config=configs/default.py', override, f'--workdir={tmp_path}')
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1].startswith('Config error: '), result.stderr
+  assert 'JAX process 0 of 1' not in result.stderr
+  assert os.listdir(tmp_path) == []  # Nothing written.
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('args,line', [
     (['--config=configs/nope.py'], "Config error: cannot read the config file 'configs/nope.py'"),

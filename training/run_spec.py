@@ -26,6 +26,7 @@ import optax
 from backbones import hub
 from backbones import torch_hub
 from backbones import weights
+from core import config_values
 from core import errors
 import data_sources
 from data_sources import base
@@ -42,12 +43,6 @@ from training import loggers
 from training import losses
 from training import optimizers
 
-# Keys whose value is an integer >= 1, and >= 0.
-_COUNTS = ('batch_size', 'num_epochs', 'log_every_steps',
-           'shuffle_buffer_size', 'checkpoint_every_steps', 'max_checkpoints_to_keep',
-           'grad_accum_steps')
-_NON_NEGATIVE = ('early_stopping_patience', 'profile_steps', 'precise_bn_batches',
-                 'linear_probe_views')
 # config.eval_batch_size=None: this many training batches per eval step, at most the cap.
 EVAL_BATCHES_PER_STEP, EVAL_BATCH_CAP = 4, 1000
 _CHOICES = {'in_memory': input_pipeline.IN_MEMORY, 'input_backend': input_pipeline.INPUT_BACKENDS,
@@ -56,6 +51,7 @@ _CHOICES = {'in_memory': input_pipeline.IN_MEMORY, 'input_backend': input_pipeli
             'temperature_scaling': (False, True), 'linear_probe': (False, True),
             'linear_probe_cache': (False, True)}
 _EVALUATION_KEYS = ('split', 'evaluators', 'preprocess', 'every', 'reference')
+_require, _is_int = config_values.require, config_values.is_int
 _EVALUATION_NAME = re.compile(r'[A-Za-z_][A-Za-z0-9_]*')
 
 
@@ -151,15 +147,6 @@ class Run:
              f'{-(-self.batch_size // num_devices) * num_devices}.')
 
 
-def _require(condition: bool, key: str, value, message: str) -> None:
-  if not condition:
-    raise errors.ConfigError(message, key=key, value=value)
-
-
-def _is_int(value) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _options(config: ml_collections.ConfigDict, key: str) -> dict:
   """The options of the plug-in that config.`key` names, from config.`key`_options.<name>."""
   section = config.get(f'{key}_options', {}).get(config[key])
@@ -240,53 +227,12 @@ def _probe_views(config: ml_collections.ConfigDict,
 
 
 def _check_values(config: ml_collections.ConfigDict) -> None:
-  """Checks the app's own keys: counts, choices and numbers in their intervals."""
-  for key in _COUNTS + _NON_NEGATIVE:
-    minimum = 1 if key in _COUNTS else 0
-    _require(_is_int(config[key]) and config[key] >= minimum, key, config[key],
-             f'config.{key}={config[key]!r} is invalid: it must be an integer >= {minimum}'
-             f'{" (0 = off)" if minimum == 0 else ""}.')
-  _require(config.eval_batch_size is None or (_is_int(config.eval_batch_size)
-                                              and config.eval_batch_size >= 1),
-           'eval_batch_size', config.eval_batch_size,
-           f'config.eval_batch_size={config.eval_batch_size!r} is invalid: it must be an '
-           'integer >= 1, or None (4 x batch_size, at most 1000).')
+  """Checks the app's own keys: the numbers (`config_values.check`, also run by main.py before
+  the imports) and the choices."""
+  config_values.check(config)
   for key, valid in _CHOICES.items():
     _require(config[key] in valid, key, config[key],
              f'Unknown {key} {config[key]!r}: config.{key} must be one of {list(valid)}.')
-  for key, valid, interval in (
-      ('learning_rate', lambda value: value > 0, '> 0'),
-      ('ema_decay', lambda value: 0 <= value < 1, 'in [0, 1) (0 = off)'),
-      ('warmup_epochs', lambda value: 0 <= value <= config.num_epochs,
-       f'in [0, num_epochs={config.num_epochs}]'),
-      ('unmixed_last_epochs', lambda value: _is_int(value) and 0 <= value <= config.num_epochs,
-       f'an integer in [0, num_epochs={config.num_epochs}]'),
-      ('early_stopping_min_delta', lambda value: value >= 0, '>= 0'),
-      ('grad_clip_norm', lambda value: value >= 0, '>= 0 (0 = off)'),
-      ('layer_decay', lambda value: 0 < value <= 1, 'in (0, 1] (1 = off)'),
-      ('mixup_alpha', lambda value: value >= 0, '>= 0 (0 = off)'),
-      ('cutmix_alpha', lambda value: value >= 0, '>= 0 (0 = off)')):
-    value = config[key]
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    _require(number and valid(value), key, value,
-             f'config.{key}={value!r} is invalid: it must be {interval}.')
-  _check_parameter_patterns(config)
-
-
-def _check_parameter_patterns(config: ml_collections.ConfigDict) -> None:
-  """Checks config.freeze and config.init_exclude (regular expressions) and
-  config.lr_multipliers (pattern: factor)."""
-  patterns = [(key, pattern) for key in ('freeze', 'init_exclude') for pattern in config[key]] + [
-      ('lr_multipliers', pattern) for pattern in config.lr_multipliers]
-  for key, pattern in patterns:
-    try:
-      re.compile(pattern)
-    except (re.error, TypeError) as error:
-      raise errors.ConfigError(f'config.{key} has {pattern!r}, which is not a regular '
-                               f'expression ({error}).', key=key, value=pattern) from None
-  for pattern, factor in config.lr_multipliers.items():
-    _require(isinstance(factor, (int, float)) and factor > 0, 'lr_multipliers', factor,
-             f'config.lr_multipliers.{pattern}={factor!r} is invalid: it must be > 0.')
 
 
 def _input(config: ml_collections.ConfigDict,
