@@ -43,6 +43,8 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
       jax.distributed.initialize()
     except ValueError:  # No known cluster: JAX lacks a coordinator address.
       logging.info('No cluster detected: running as a single process.')
+    except jax.errors.JaxRuntimeError:  # The cluster was read; its service failed to start
+      raise  # or to connect: joining failed, and a process alone must not train on.
     # JAX's detection raises RuntimeError of its own and the `requests` library's errors (an
     # OSError) for a metadata server out of reach; the runtime is then still unstarted.
     except (RuntimeError, OSError) as error:
