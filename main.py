@@ -97,7 +97,8 @@ def main(argv):
   try:  # Refused before the imports below: a flag alone, a config's numbers.
     if FLAGS.mode in ('predict', 'embed'):
       cli.check_inputs(FLAGS.inputs, FLAGS.mode)
-    config_values.check(load_config())
+    config = load_config()
+    config_values.check(config)
   except errors.UserError as error:
     sys.exit(error.one_line())
   # pylint: disable=g-import-not-at-top  (after the flags: see above)
@@ -120,7 +121,7 @@ def main(argv):
     parallel.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     logging.info('JAX process %d of %d, local devices: %s; malloc tuned for XLA:CPU: %s',
                  jax.process_index(), jax.process_count(), jax.local_devices(), MALLOC_TUNED)
-    run = run_spec.resolve(load_config())
+    run = run_spec.resolve(config)
     if FLAGS.mode == 'train':
       with workdirs.hold(FLAGS.workdir):  # One training run per workdir.
         train.train_and_evaluate(run, FLAGS.workdir)
