@@ -50,9 +50,11 @@ flags.mark_flags_as_required(['workdir'])
 flags.DEFINE_string('inputs', None, '--mode=predict/embed: an image file, a directory of images '
                     '(searched recursively), a glob pattern or a CSV file listing images.')
 flags.DEFINE_integer('top_k', 1, '--mode=predict: the N most probable classes of each image '
-                     '(columns class_1,probability_1,...; 1: file,class,probability).')
-flags.DEFINE_string('tta', None, '--mode=predict: test-time augmentation, flip: the mean '
-                    'softmax over each image and its mirror (--mode=eval: config.eval_tta).')
+                     '(columns class_1,probability_1,...; 1: file,class,probability).',
+                     lower_bound=1)  # Its upper bound, the model's classes, is checked later.
+flags.DEFINE_enum('tta', None, config_values.TTA_CHOICES, '--mode=predict: test-time '
+                  'augmentation, flip: the mean softmax over each image and its mirror '
+                  '(--mode=eval: config.eval_tta).')
 flags.DEFINE_string('checkpoint', 'latest', '--mode=eval/export/predict: the checkpoint to use: '
                     'latest, best (best config.best_metric at an epoch end) or a step number.')
 # Checked by the export against its registry, which lists the formats in its error: a plug-in

@@ -1,5 +1,5 @@
-"""The app's own numeric config values (counts, rates, intervals) and its parameter patterns,
-checked with nothing but the config: `check(config)`.
+"""The app's own numeric config values (counts, rates, intervals), its test-time augmentations
+and its parameter patterns, checked with nothing but the config: `check(config)`.
 
 Light on purpose, as `saved_config`: main.py runs `check` before it imports TensorFlow and
 JAX, so that `--config.num_epochs=0` is refused in a second rather than after the imports.
@@ -17,6 +17,10 @@ COUNTS = ('batch_size', 'num_epochs', 'log_every_steps', 'shuffle_buffer_size',
           'checkpoint_every_steps', 'max_checkpoints_to_keep', 'grad_accum_steps')
 NON_NEGATIVE = ('early_stopping_patience', 'profile_steps', 'precise_bn_batches',
                 'linear_probe_views')
+# Test-time augmentations (config.eval_tta, --tta): 'flip', the image and its left-right mirror.
+# Here, not beside the code that applies them (training/calibration.py), so that main.py
+# refuses an unknown one before it imports JAX.
+TTA_CHOICES = ('flip',)
 
 
 def require(condition: bool, key: str, value, message: str) -> None:
@@ -58,6 +62,9 @@ def check(config: ml_collections.ConfigDict) -> None:
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     require(number and valid(value), key, value,
             f'config.{key}={value!r} is invalid: it must be {interval}.')
+  require(config.eval_tta in (None, *TTA_CHOICES), 'eval_tta', config.eval_tta,
+          f'config.eval_tta={config.eval_tta!r} is invalid: it must be one of {TTA_CHOICES}, '
+          'or None (off).')
   _check_parameter_patterns(config)
 
 

@@ -37,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 from core import cli
+from core import config_values
 from core import errors
 from core import progress
 from data_sources import base
@@ -193,16 +194,17 @@ def compute(images: Images, batch_fn: Callable[[np.ndarray], jax.Array],
 def predict(run: run_spec.Run, workdir: str, inputs: str | None, checkpoint: str = 'latest',
             top_k: int = 1, tta: str | None = None) -> str:
   """Writes the `top_k` most probable classes of each image under `inputs` to
-  <workdir>/predictions.csv, with test-time augmentation `tta` (calibration.TTA_CHOICES)."""
+  <workdir>/predictions.csv, with test-time augmentation `tta` (config_values.TTA_CHOICES)."""
   cli.check_inputs(inputs, 'predict')
   info = modes.dataset_info(run, workdir)
   if not (isinstance(top_k, int) and 1 <= top_k <= info.num_classes):
     raise errors.FlagError(
         f'--top_k={top_k} is invalid: the model has {info.num_classes} classes, so give a '
         f'number in [1, {info.num_classes}].', flag='top_k', value=top_k)
-  if tta not in (None, *calibration.TTA_CHOICES):
-    raise errors.FlagError(f'--tta={tta!r} is invalid: use one of {calibration.TTA_CHOICES} or '
-                           'leave it unset.', flag='tta', value=tta)
+  if tta not in (None, *config_values.TTA_CHOICES):
+    raise errors.FlagError(f'--tta={tta!r} is invalid: use one of '
+                           f'{config_values.TTA_CHOICES} or leave it unset.', flag='tta',
+                           value=tta)
   model, step = modes.load_model(run, workdir, info, checkpoint)  # No checkpoint: said first.
   images = read_images(run, info, inputs)
   temperature = calibration.saved_temperature(workdir, run.temperature_scaling)

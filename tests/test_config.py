@@ -97,14 +97,20 @@ def _main(*args):
                         text=True, timeout=300)
 
 
-@pytest.mark.parametrize('override', ['--config.num_epochs=0', '--config.learning_rate=-1',
-                                      "--config.freeze=['(']"])
-def test_a_config_number_mistake_is_refused_before_jax_starts(tmp_path, override):
+@pytest.mark.parametrize('args,line', [
+    (['--config.num_epochs=0'], 'Config error: config.num_epochs=0 '),
+    (['--config.learning_rate=-1'], 'Config error: config.learning_rate=-1.0 '),
+    (["--config.freeze=['(']"], 'Config error: config.freeze '),
+    (['--config.eval_tta=mirror'], "Config error: config.eval_tta='mirror' "),
+    (['--mode=predict', '--inputs=photos', '--tta=mirror'], 'Flag error: flag --tta=mirror: '),
+    (['--mode=predict', '--inputs=photos', '--top_k=0'], 'Flag error: flag --top_k=0: '),
+])
+def test_a_number_or_choice_mistake_is_refused_before_jax_starts(tmp_path, args, line):
   """Refused by main.py before it imports TensorFlow and JAX: the line that JAX's start logs
   never comes."""
-  result = _main('--config=configs/default.py', override, f'--workdir={tmp_path}')
+  result = _main('--config=configs/default.py', *args, f'--workdir={tmp_path}')
   assert result.returncode == 1
-  assert result.stderr.strip().splitlines()[-1].startswith('Config error: '), result.stderr
+  assert result.stderr.strip().splitlines()[-1].startswith(line), result.stderr
   assert 'JAX process 0 of 1' not in result.stderr
   assert os.listdir(tmp_path) == []  # Nothing written.
 

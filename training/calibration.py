@@ -21,7 +21,6 @@ from training import parallel
 from training import state as state_lib
 
 TEMPERATURE_FILE = 'temperature.json'  # In the workdir: {"temperature": T, ...}.
-TTA_CHOICES = ('flip',)  # Test-time augmentations: the image and its left-right mirror.
 _MAX_ITERATIONS = 100  # L-BFGS on one parameter converges in a few; a bound for the loop.
 _TOLERANCE = 1e-6  # On |d NLL / d log T|.
 

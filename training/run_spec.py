@@ -35,7 +35,6 @@ import kernels
 import models
 import preprocessing
 from preprocessing import crop
-from training import calibration
 from training import checkpointing
 from training import evaluation
 from training import evaluators
@@ -47,7 +46,7 @@ from training import optimizers
 EVAL_BATCHES_PER_STEP, EVAL_BATCH_CAP = 4, 1000
 _CHOICES = {'in_memory': input_pipeline.IN_MEMORY, 'input_backend': input_pipeline.INPUT_BACKENDS,
             'decoded_cache': input_pipeline.DECODED_CACHE,
-            'nonfinite': optimizers.NONFINITE, 'eval_tta': (None, *calibration.TTA_CHOICES),
+            'nonfinite': optimizers.NONFINITE,
             'temperature_scaling': (False, True), 'linear_probe': (False, True),
             'linear_probe_cache': (False, True)}
 _EVALUATION_KEYS = ('split', 'evaluators', 'preprocess', 'every', 'reference')
@@ -83,7 +82,7 @@ class Run:
   ema_decay: float
   nonfinite: str
   eval_batch_size: int
-  eval_tta: str | None  # Test-time augmentation of --mode=eval (calibration.TTA_CHOICES).
+  eval_tta: str | None  # Test-time augmentation of --mode=eval (config_values.TTA_CHOICES).
   temperature_scaling: bool  # Fit a temperature after training; eval and predict apply it.
   precise_bn_batches: int
   log_every_steps: int
