@@ -212,9 +212,12 @@ def measure_app_inference(configuration: str, model: str, dtype: str) -> dict:
   from flax import nnx
   from modes import export
   from modes import predict
+  from training import state as state_lib
   # pylint: enable=g-import-not-at-top
-  network = run.model.build((FLAGS.image_size, FLAGS.image_size, 3), NUM_CLASSES,
-                            nnx.Rngs(run.seed))
+  # Initialised in one program, as training initialises its state: op by op, each initialiser
+  # of a new shape compiles alone (a toy ResNet's took 9 s).
+  network = state_lib.run_once(lambda: run.model.build(
+      (FLAGS.image_size, FLAGS.image_size, 3), NUM_CLASSES, nnx.Rngs(run.seed)))
   network.eval()
   images = random_images()  # NumPy, as predict hands each batch over.
   if configuration == 'onnxruntime':

@@ -15,11 +15,11 @@ from backbones import common
 from backbones import weights
 from tests.helpers import timm_models as timm_helpers
 from tests.helpers.build import create_backbone
-from tests.helpers.build import run_once
 from tests.helpers.optional import requires_extras
 from core import errors
 import kernels
 import models
+from training import state as state_lib
 
 NUM_CLASSES = timm_helpers.NUM_CLASSES
 RESNETS = ('resnet18', 'resnet34', 'resnet50')
@@ -274,7 +274,7 @@ def _loss_and_grads(model: nnx.Module, images: np.ndarray):
   computation either way; remat and the layers are what the tests compare)."""
   def loss(model):
     return (model(images) ** 2).mean()
-  return run_once(nnx.value_and_grad(loss), model)
+  return state_lib.run_once(nnx.value_and_grad(loss), model)
 
 
 def _assert_trees_close(actual, expected, tolerance: float) -> None:

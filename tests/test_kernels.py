@@ -13,7 +13,7 @@ from kernels import cpu
 from kernels import gpu
 from tests.helpers import small_backbones  # pylint: disable=unused-import  (registers them)
 from tests.helpers.build import create_backbone
-from tests.helpers.build import run_once
+from training import state as state_lib
 
 
 def test_select_layers_by_backend_and_switch():
@@ -101,7 +101,7 @@ def _value_and_grads(conv: nnx.Conv, x: jax.Array) -> list[jax.Array]:
   def value_and_grads(conv, x):
     loss = lambda conv, x: (conv(x) * jax.random.normal(jax.random.key(2), conv(x).shape)).sum()
     return [conv(x), *jax.tree.leaves(nnx.grad(loss, argnums=(0, 1))(conv, x))]
-  return run_once(value_and_grads, conv, x)
+  return state_lib.run_once(value_and_grads, conv, x)
 
 
 def test_depthwise_conv_in_bfloat16_accumulates_as_the_stock_layer():

@@ -126,12 +126,18 @@ def create(model: models.ModelSpec, info: base.DatasetInfo,
   if abstract:
     state = _placed_like_created(nnx.eval_shape(create_state))
   else:
-    state = nnx.jit(create_state).lower().compile({'xla_backend_optimization_level': 0})()
+    state = run_once(create_state)
   for path, module in nnx.iter_modules(state.model):
     # A frozen BatchNorm normalises with its statistics as loaded, in training too.
     if isinstance(module, nnx.BatchNorm) and optimization.frozen('.'.join(map(str, path))):
       module.use_running_average = True
   return state
+
+
+def run_once(function: Callable, *args):
+  """`function(*args)` as one program compiled at XLA's lowest optimisation level, for a
+  program that runs once (an initialisation): optimising it would cost more than it saves."""
+  return nnx.jit(function).lower(*args).compile({'xla_backend_optimization_level': 0})(*args)
 
 
 def _placed_like_created(state: TrainState) -> TrainState:

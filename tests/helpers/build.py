@@ -51,20 +51,14 @@ def open_source(config):
   return run_spec.resolve(config).input.source()
 
 
-def run_once(function, *args):
-  """`function(*args)` as one program compiled at XLA's lowest optimisation level: for a
-  program a test runs once, optimising it costs more than it saves (the same computation)."""
-  return nnx.jit(function).lower(*args).compile({'xla_backend_optimization_level': 0})(*args)
-
-
 def create_backbone(name: str, image_shape=(224, 224, 3), num_classes=7,
                     layers: kernels.Layers = kernels.STOCK_LAYERS, depth: int | None = None,
                     **options) -> nnx.Module:
   """Our `name` through the registry, initialised in one program compiled at XLA's lowest
-  optimisation level (`run_once`): several times faster than initialised op by op. With
-  `depth`, a ViT of that many blocks (timm's `depth` argument), the rest as registered."""
+  optimisation level (`state_lib.run_once`): several times faster than initialised op by op.
+  With `depth`, a ViT of that many blocks (timm's `depth` argument), the rest as registered."""
   factory = models.MODELS.entry(name).factory
   if depth is not None:
     factory = type(factory.__name__, (factory,), {'depth': depth})
-  return run_once(lambda: factory(image_shape, num_classes, layers=layers, rngs=nnx.Rngs(0),
-                                  **options))
+  return state_lib.run_once(lambda: factory(image_shape, num_classes, layers=layers,
+                                            rngs=nnx.Rngs(0), **options))

@@ -6,8 +6,8 @@ import numpy as np
 
 from backbones import weights
 from tests.helpers.build import create_backbone
-from tests.helpers.build import run_once
 from tests.helpers.optional import requires_extras
+from training import state as state_lib
 
 NUM_CLASSES = 7
 
@@ -77,7 +77,7 @@ def assert_same_logits(torch_model, model: nnx.Module, images: np.ndarray) -> fl
   with torch.no_grad():
     expected = torch_model(torch.from_numpy(images).permute(0, 3, 1, 2)).numpy()
   model.eval()
-  logits = run_once(lambda model, images: model(images), model, images)
+  logits = state_lib.run_once(lambda model, images: model(images), model, images)
   assert logits.dtype == np.float32
   difference = float(np.abs(np.asarray(logits) - expected).max())
   assert difference <= 1e-4 * max(1.0, float(np.abs(expected).max()))
@@ -98,7 +98,8 @@ def assert_same_pooled_features(torch_model, model: nnx.Module, images: np.ndarr
   """Our `model.pre_logits` equals timm's pooled features within 1e-4 of their largest."""
   expected = pooled_features(torch_model, images)
   model.eval()
-  features = np.asarray(run_once(lambda model, images: model.pre_logits(images), model, images))
+  features = np.asarray(state_lib.run_once(lambda model, images: model.pre_logits(images),
+                                           model, images))
   assert features.shape == expected.shape
   np.testing.assert_allclose(features, expected, atol=1e-4 * max(1.0, np.abs(expected).max()))
 
