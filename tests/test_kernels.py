@@ -16,6 +16,18 @@ from tests.helpers.build import create_backbone
 from training import state as state_lib
 
 
+def _normal(seed: int, shape, dtype=np.float32) -> np.ndarray:
+  """Standard normal test data drawn by NumPy: `jax.random.normal` would compile a program for
+  each new shape, at XLA's full optimisation level, for data that a test uses once."""
+  return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def _built(layer, *args, **kwargs) -> nnx.Module:
+  """`layer(*args, **kwargs, rngs=nnx.Rngs(0))` initialised in one program (`run_once`): op by
+  op, each initialiser of a new shape would compile alone."""
+  return state_lib.run_once(lambda: layer(*args, **kwargs, rngs=nnx.Rngs(0)))
+
+
 def test_select_layers_by_backend_and_switch():
   assert kernels.select_layers('auto', 'cpu') is kernels.CPU_LAYERS
   assert kernels.select_layers('auto', 'gpu') is kernels.GPU_LAYERS
@@ -30,7 +42,7 @@ def test_select_layers_by_backend_and_switch():
 def test_gpu_attention_is_the_stock_function_where_cudnn_does_not_take_the_inputs():
   """float32 inputs (cuDNN's fused attention takes half precision) and a mask run as the stock
   function runs them; on a CUDA GPU, benchmarks/attention_gpu.py compares cuDNN's with it."""
-  query, key, value = jax.random.normal(jax.random.key(0), (3, 2, 5, 2, 8))
+  query, key, value = _normal(0, (3, 2, 5, 2, 8))
   mask = jnp.tril(jnp.ones((5, 5), bool))[None, None]
   for options in ({}, {'mask': mask}):
     np.testing.assert_array_equal(
@@ -46,9 +58,8 @@ def test_conv_and_its_gradients_equal_nnx_conv(kernel_size, strides, padding):
   channels = kernel_size[0]  # 1 to 5 channels in; a bias on half of them.
   arguments = dict(kernel_size=kernel_size, strides=strides, padding=padding,
                    use_bias=channels % 2 == 1)
-  stock = nnx.Conv(channels, 5, **arguments, rngs=nnx.Rngs(0))
-  fast = cpu.Conv(channels, 5, **arguments, rngs=nnx.Rngs(0))
-  x = jax.random.normal(jax.random.key(0), (3, 9, 8, channels))
+  stock, fast = (_built(layer, channels, 5, **arguments) for layer in (nnx.Conv, cpu.Conv))
+  x = _normal(0, (3, 9, 8, channels))
   np.testing.assert_array_equal(fast.kernel[...], stock.kernel[...])  # Same parameters.
   # Under differentiation the patches' matmul computes it (not the stock convolution).
   assert 'convolution' not in jax.jit(jax.grad(lambda x: fast(x).sum())).lower(x).as_text()
@@ -67,9 +78,8 @@ def test_conv_and_its_gradients_equal_nnx_conv(kernel_size, strides, padding):
 ])
 def test_conv_computes_every_other_convolution_as_the_stock_layer(option):
   arguments = {'kernel_size': (3, 3), **option}
-  stock = nnx.Conv(4, 4, rngs=nnx.Rngs(0), **arguments)
-  fast = cpu.Conv(4, 4, rngs=nnx.Rngs(0), **arguments)
-  x = jax.random.normal(jax.random.key(0), (2, *[8] * len(arguments['kernel_size']), 4))
+  stock, fast = (_built(layer, 4, 4, **arguments) for layer in (nnx.Conv, cpu.Conv))
+  x = _normal(0, (2, *[8] * len(arguments['kernel_size']), 4))
   (y, *grads), (stock_y, *stock_grads) = _value_and_grads(fast, x), _value_and_grads(stock, x)
   np.testing.assert_allclose(y, stock_y, rtol=1e-5, atol=1e-5)
   for grad, stock_grad in zip(grads, stock_grads):
@@ -86,9 +96,9 @@ def test_depthwise_conv_and_its_gradients_equal_nnx_conv(kernel_size, strides, p
   channels = 2 * kernel_size[0] - 1  # 3 to 13 channels, one filter each; odd image sizes.
   arguments = dict(kernel_size=kernel_size, strides=strides, padding=padding,
                    feature_group_count=channels, use_bias=kernel_size[0] == 3)
-  stock = nnx.Conv(channels, channels, **arguments, rngs=nnx.Rngs(0))
-  fast = cpu.Conv(channels, channels, **arguments, rngs=nnx.Rngs(0))
-  x = jax.random.normal(jax.random.key(0), (3, 11, 9, channels))
+  stock, fast = (_built(layer, channels, channels, **arguments)
+                 for layer in (nnx.Conv, cpu.Conv))
+  x = _normal(0, (3, 11, 9, channels))
   # Shifted multiply-adds compute it, forward and backward (not XLA's convolution).
   assert 'convolution' not in jax.jit(jax.grad(lambda x: fast(x).sum())).lower(x).as_text()
   for value, stock_value in zip(_value_and_grads(fast, x), _value_and_grads(stock, x)):
@@ -106,9 +116,8 @@ def _value_and_grads(conv: nnx.Conv, x: jax.Array) -> list[jax.Array]:
 
 def test_depthwise_conv_in_bfloat16_accumulates_as_the_stock_layer():
   arguments = dict(kernel_size=(5, 5), strides=2, feature_group_count=8, dtype=jnp.bfloat16)
-  stock = nnx.Conv(8, 8, **arguments, rngs=nnx.Rngs(0))
-  fast = cpu.Conv(8, 8, **arguments, rngs=nnx.Rngs(0))
-  x = jax.random.normal(jax.random.key(0), (2, 16, 16, 8))
+  stock, fast = (_built(layer, 8, 8, **arguments) for layer in (nnx.Conv, cpu.Conv))
+  x = _normal(0, (2, 16, 16, 8))
   assert fast(x).dtype == jnp.bfloat16
   # Within bfloat16's rounding: both sum the 25 taps in float32, and round once.
   for value, stock_value in zip(_value_and_grads(fast, x), _value_and_grads(stock, x)):
@@ -122,9 +131,8 @@ def test_depthwise_conv_in_bfloat16_accumulates_as_the_stock_layer():
 ])
 def test_other_depthwise_convolutions_run_as_the_stock_layer(features, option):
   arguments = {'kernel_size': (3, 3), 'feature_group_count': 4, **option}
-  stock = nnx.Conv(4, features, rngs=nnx.Rngs(0), **arguments)
-  fast = cpu.Conv(4, features, rngs=nnx.Rngs(0), **arguments)
-  x = jax.random.normal(jax.random.key(0), (2, 9, 8, 4))
+  stock, fast = (_built(layer, 4, features, **arguments) for layer in (nnx.Conv, cpu.Conv))
+  x = _normal(0, (2, 9, 8, 4))
   assert 'convolution' in jax.jit(lambda x: fast(x)).lower(x).as_text()
   for value, stock_value in zip(_value_and_grads(fast, x), _value_and_grads(stock, x)):
     np.testing.assert_allclose(value, stock_value, rtol=1e-5, atol=1e-5)
@@ -196,7 +204,7 @@ def test_dropout_call_arguments_and_rates_as_the_stock_layer():
 @pytest.mark.parametrize('shape,window', [((4, 28, 28, 32), (2, 2)), ((2, 7, 9, 3), (2, 2)),
                                           ((2, 9, 9, 3), (3, 3))])
 def test_avg_pool_and_its_gradient_equal_nnx_avg_pool(shape, window):
-  y = jax.random.normal(jax.random.key(1), shape)  # Odd sizes: 'VALID' drops the rest.
+  y = _normal(1, shape)  # Odd sizes: 'VALID' drops the rest.
   fast = lambda y: cpu.avg_pool(y, window_shape=window, strides=window)
   stock = lambda y: nnx.avg_pool(y, window_shape=window, strides=window)
   np.testing.assert_allclose(fast(y), stock(y), rtol=1e-6, atol=1e-6)
@@ -209,7 +217,7 @@ def test_avg_pool_and_its_gradient_equal_nnx_avg_pool(shape, window):
     {'window_shape': (2, 2), 'strides': (2, 2), 'padding': 'SAME'},
 ])
 def test_avg_pool_computes_every_other_pooling_as_the_stock_function(arguments):
-  y = jax.random.normal(jax.random.key(1), (2, 7, 9, 3))
+  y = _normal(1, (2, 7, 9, 3))
   np.testing.assert_allclose(cpu.avg_pool(y, **arguments), nnx.avg_pool(y, **arguments),
                              rtol=1e-6, atol=1e-6)
 
@@ -218,8 +226,8 @@ def test_conv_gradient_does_not_keep_every_layers_patches_from_the_forward_pass(
   # Six 3x3 layers: if XLA shared the backward passes' patches with the forward pass's (as it
   # did through an optimization barrier), all six would be held at once, beside the other
   # temporaries; rebuilt in each backward pass, they are held one or two at a time.
-  x = jax.random.normal(jax.random.key(0), (8, 32, 32, 16))
-  kernel_list = [0.1 * jax.random.normal(jax.random.key(i), (3, 3, 16, 16)) for i in range(6)]
+  x = _normal(0, (8, 32, 32, 16))
+  kernel_list = [0.1 * _normal(i, (3, 3, 16, 16)) for i in range(6)]
   pads = ((1, 1), (1, 1))
 
   def loss(kernel_list, x):
@@ -242,20 +250,20 @@ def test_conv_gradient_does_not_keep_every_layers_patches_from_the_forward_pass(
 def test_max_pool_and_its_gradient_equal_nnx_max_pool(shape, arguments, dtype):
   # Rounded normals after a ReLU: most windows hold tied maxima (zeros after a ResNet's ReLU),
   # where the gradient must go to the input select-and-scatter picks.
-  x = jnp.maximum(jnp.round(2 * jax.random.normal(jax.random.key(4), shape)), 0).astype(dtype)
+  x = jnp.maximum(jnp.round(2 * _normal(4, shape)), 0).astype(dtype)
   # Jitted: one compilation each rather than one per operation.
   fast = jax.jit(lambda x: cpu.max_pool(x, **arguments))
   stock = jax.jit(lambda x: nnx.max_pool(x, **arguments))
   np.testing.assert_array_equal(fast(x), stock(x))
   # Integer cotangents: the sums over overlapping windows are exact in any order.
-  cotangent = jax.random.randint(jax.random.key(5), stock(x).shape, -3, 4).astype(dtype)
+  cotangent = np.random.default_rng(5).integers(-3, 4, stock(x).shape).astype(dtype)
   loss = lambda f: lambda x: jnp.vdot(f(x).astype(jnp.float32), cotangent.astype(jnp.float32))
   np.testing.assert_array_equal(jax.jit(jax.grad(loss(fast)))(x),
                                 jax.jit(jax.grad(loss(stock)))(x))
 
 
 def test_max_pool_gradient_needs_a_fraction_of_select_and_scatter_temporaries():
-  x = jax.random.normal(jax.random.key(4), (8, 56, 56, 16))
+  x = _normal(4, (8, 56, 56, 16))
   arguments = {'window_shape': (3, 3), 'strides': (2, 2), 'padding': ((1, 1), (1, 1))}
 
   def temporaries(pool) -> int:
@@ -276,8 +284,7 @@ def test_max_pool_computes_every_other_pooling_as_the_stock_function(x, argument
 
 def _attention_inputs(dtype=jnp.float32):
   """Query, key and value (batch, tokens, heads, head features), and an output cotangent."""
-  keys = jax.random.split(jax.random.key(2), 4)
-  return [jax.random.normal(k, (2, 17, 3, 8), dtype) for k in keys]
+  return list(_normal(2, (4, 2, 17, 3, 8), dtype))
 
 
 def test_attention_and_its_gradients_equal_the_stock_function():
@@ -310,7 +317,7 @@ def _input_sized_residuals(function, x: jax.Array) -> list[jax.Array]:
 
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
 def test_gelu_and_its_gradient_equal_the_stock_function(dtype):
-  x = (3 * jax.random.normal(jax.random.key(3), (4, 33, 8))).astype(dtype)
+  x = (3 * _normal(3, (4, 33, 8))).astype(dtype)
   stock = lambda x: jax.nn.gelu(x, approximate=False)
   np.testing.assert_array_equal(cpu.gelu(x), stock(x))
   np.testing.assert_array_equal(kernels.STOCK_LAYERS.gelu(x), stock(x))
@@ -326,14 +333,12 @@ def test_gelu_and_its_gradient_equal_the_stock_function(dtype):
 
 def _layer_norms(features: int, **options) -> tuple[nnx.LayerNorm, nnx.LayerNorm]:
   """`cpu.LayerNorm` and `nnx.LayerNorm` with the same random scale and bias."""
-  fast, stock = (layer(features, rngs=nnx.Rngs(0), **options)
-                 for layer in (cpu.LayerNorm, nnx.LayerNorm))
-  keys = jax.random.split(jax.random.key(4), 2)
+  fast, stock = (_built(layer, features, **options) for layer in (cpu.LayerNorm, nnx.LayerNorm))
   for norm in (fast, stock):
     if norm.scale is not None:
-      norm.scale[...] = 1 + jax.random.normal(keys[0], norm.scale.shape, norm.scale.dtype)
+      norm.scale[...] = 1 + _normal(40, norm.scale.shape, norm.scale.dtype)
     if norm.bias is not None:
-      norm.bias[...] = jax.random.normal(keys[1], norm.bias.shape, norm.bias.dtype)
+      norm.bias[...] = _normal(41, norm.bias.shape, norm.bias.dtype)
   return fast, stock
 
 
@@ -351,10 +356,10 @@ def _norm_value_and_grads(norm: nnx.Module, x: jax.Array, cotangent: jax.Array):
 def test_layer_norm_and_its_gradients_equal_nnx_layer_norm(shape, options):
   """Over the last axis of a token sequence, of NHWC images (ConvNeXt's), in float32 and with
   half-precision inputs or parameters: the stock layer's output, the same gradients."""
-  x = 3 + 2 * jax.random.normal(jax.random.key(5), shape)
+  x = 3 + 2 * _normal(5, shape)
   if options.get('param_dtype') == jnp.bfloat16:
     x = x.astype(jnp.bfloat16)
-  cotangent = jax.random.normal(jax.random.key(6), shape)
+  cotangent = _normal(6, shape)
   fast, stock = _layer_norms(shape[-1], **options)
   fast_values, stock_values = (_norm_value_and_grads(norm, x, cotangent)
                                for norm in (fast, stock))
@@ -375,7 +380,7 @@ def test_layer_norm_and_its_gradients_equal_nnx_layer_norm(shape, options):
     ({'reduction_axes': (-2, -1)}, {}), ({'feature_axes': -2}, {}), ({'use_bias': False}, {}),
     ({'use_scale': False}, {}), ({}, {'mask': jnp.arange(16) < 12})])
 def test_layer_norm_computes_every_other_case_as_the_stock_layer(options, call):
-  x = jax.random.normal(jax.random.key(7), (2, 16, 16))
+  x = _normal(7, (2, 16, 16))
   fast, stock = _layer_norms(16, **options)
   np.testing.assert_array_equal(fast(x, **call), stock(x, **call))
 
@@ -384,13 +389,13 @@ def test_layer_norm_computes_every_other_case_as_the_stock_layer(options, call):
 def test_batch_norm_in_training_and_its_gradients_equal_nnx_batch_norm(options):
   """NHWC images: the stock layer's output and running averages, the same gradients; eval
   (the running averages) as the stock layer."""
-  x = 3 + 2 * jax.random.normal(jax.random.key(9), (4, 5, 5, 8))
-  cotangent = jax.random.normal(jax.random.key(10), x.shape)
+  x = 3 + 2 * _normal(9, (4, 5, 5, 8))
+  cotangent = _normal(10, x.shape)
   fast, stock = (layer(8, momentum=0.9, rngs=nnx.Rngs(0), use_running_average=False, **options)
                  for layer in (cpu.BatchNorm, nnx.BatchNorm))
   for norm in (fast, stock):
-    norm.scale[...] = 1 + jax.random.normal(jax.random.key(11), (8,))
-    norm.bias[...] = jax.random.normal(jax.random.key(12), (8,))
+    norm.scale[...] = 1 + _normal(11, (8,))
+    norm.bias[...] = _normal(12, (8,))
   fast_values, stock_values = (_norm_value_and_grads(norm, x, cotangent)
                                for norm in (fast, stock))
   np.testing.assert_array_equal(fast_values[0], stock_values[0])

@@ -14,14 +14,31 @@ from configs import cifar10
 from configs import default
 import image_folders
 from training import run_spec
+from training import state as state_lib
 from training import workdirs
 
 
-def _create(name, image_shape=(28, 28, 1), num_classes=10, seed=0, **config_overrides):
+def _config(name, **config_overrides):
   config = default.get_config()
   config.model = name
   config.update(config_overrides)
-  return run_spec.resolve(config).model.build(image_shape, num_classes, nnx.Rngs(seed))
+  return config
+
+
+def _built(config, image_shape=(28, 28, 1), num_classes=10, seed=0):
+  """`config`'s model, initialised in one program (`run_once`)."""
+  spec = run_spec.resolve(config).model
+  return state_lib.run_once(lambda: spec.build(image_shape, num_classes, nnx.Rngs(seed)))
+
+
+def _create(name, image_shape=(28, 28, 1), num_classes=10, seed=0, **config_overrides):
+  return _built(_config(name, **config_overrides), image_shape, num_classes, seed)
+
+
+def _shapes(name, image_shape, **config_overrides):
+  """The model `name` of `_create`, its structure only (shapes and dtypes, nothing computed)."""
+  spec = run_spec.resolve(_config(name, **config_overrides)).model
+  return nnx.eval_shape(lambda: spec.build(image_shape, 10, nnx.Rngs(0)))
 
 
 def _count(model, kind):
@@ -47,7 +64,7 @@ def test_cnn_parameter_count():
 
 def test_resnet20_parameter_count_and_shapes():
   # Shapes only (no init cost).
-  model = nnx.eval_shape(lambda: _create('cifar_resnet', (32, 32, 3)))
+  model = _shapes('cifar_resnet', (32, 32, 3))
   # stem 432 + 32; stage 1: 3 x (2 x 2,304 + 2 x 32); stage 2: 4,608 + 9,216 + 128 + shortcut
   # 512 + 64, then 2 x (2 x 9,216 + 128); stage 3: 18,432 + 36,864 + 256 + shortcut 2,048 + 128,
   # then 2 x (2 x 36,864 + 256); linear 650. ResNet-20's 0.27M (He et al. 2016).
@@ -91,13 +108,13 @@ def test_model_options_come_from_the_config():
   config = default.get_config()
   config.model_options.cnn.update(conv1_features=8, conv2_features=16, hidden_features=32,
                                   dropout_rate=0.5)
-  model = run_spec.resolve(config).model.build((28, 28, 1), 10, nnx.Rngs(0))
+  model = _built(config)
   assert model.conv2.kernel.shape == (3, 3, 8, 16)
   assert model.linear1.kernel.shape == (7 * 7 * 16, 32)
   assert model.dropout1.rate == model.dropout2.rate == 0.5
   config.model = 'mlp'
   config.model_options.mlp.hidden_features = (64, 32, 16)
-  model = run_spec.resolve(config).model.build((28, 28, 1), 10, nnx.Rngs(0))
+  model = _built(config)
   assert [linear.kernel.shape for linear in model.linears] == [(784, 64), (64, 32), (32, 16),
                                                                (16, 10)]
 
@@ -107,7 +124,7 @@ def test_cnn_is_the_reference_example_function(cpu_kernels):
   """The same parameters give the reference CNN's outputs in eval mode, and in training mode the
   same outputs and gradients when dropout is deterministic (the masks are random by design)."""
   model = _create('cnn', cpu_kernels=cpu_kernels)
-  reference = reference_mnist.ReferenceCNN(rngs=nnx.Rngs(1))
+  reference = state_lib.run_once(lambda: reference_mnist.ReferenceCNN(rngs=nnx.Rngs(1)))
   nnx.update(reference, *nnx.state(model, nnx.Param, nnx.BatchStat))
   x = jax.random.uniform(jax.random.key(0), (16, 28, 28, 1))
   for train in (False, True):
@@ -142,9 +159,9 @@ def test_resnet_is_the_former_name_of_cifar_resnet_and_says_so(caplog):
   """'resnet' (before the ImageNet resnet18/34/50) builds the same model, with its own section
   where a saved config has one, else cifar_resnet's; one line names the new name."""
   shapes = lambda model: jax.tree.map(jnp.shape, nnx.state(model))
-  new = nnx.eval_shape(lambda: _create('cifar_resnet', (32, 32, 3)))
+  new = _shapes('cifar_resnet', (32, 32, 3))
   with caplog.at_level('WARNING'):
-    old = nnx.eval_shape(lambda: _create('resnet', (32, 32, 3)))
+    old = _shapes('resnet', (32, 32, 3))
   assert shapes(old) == shapes(new)
   assert [record for record in caplog.records if 'cifar_resnet' in record.getMessage()]
   narrow = default.get_config()
@@ -212,13 +229,13 @@ def test_mlp_input_scale_and_init_stddev_options():
   config = default.get_config()
   config.model = 'mlp'
   config.model_options.mlp.update(input_scale=255.0, init_stddev=0.01)
-  model = run_spec.resolve(config).model.build((28, 28, 1), 10, nnx.Rngs(0))
+  model = _built(config)
   biases = jnp.concatenate([linear.bias[...] for linear in model.linears])  # 1,034 values.
   for values in (*(linear.kernel[...] for linear in model.linears), biases):  # N(0, 0.01^2).
     assert abs(float(values.std()) - 0.01) < 0.001 and abs(float(values.mean())) < 0.001
   plain = default.get_config()
   plain.model = 'mlp'
-  unscaled = run_spec.resolve(plain).model.build((28, 28, 1), 10, nnx.Rngs(0))
+  unscaled = _built(plain)
   nnx.update(unscaled, nnx.state(model))
   images = np.random.default_rng(0).random((2, 28, 28, 1), np.float32)
   np.testing.assert_allclose(model(images), unscaled(images * 255.0), rtol=1e-5, atol=1e-5)
