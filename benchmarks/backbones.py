@@ -215,7 +215,7 @@ def measure_app_inference(configuration: str, model: str, dtype: str) -> dict:
   from training import state as state_lib
   # pylint: enable=g-import-not-at-top
   # Initialised in one program, as training initialises its state: op by op, each initialiser
-  # of a new shape compiles alone (a toy ResNet's took 9 s).
+  # of a new shape would compile alone.
   network = state_lib.run_once(lambda: run.model.build(
       (FLAGS.image_size, FLAGS.image_size, 3), NUM_CLASSES, nnx.Rngs(run.seed)))
   network.eval()
