@@ -67,6 +67,9 @@ flags.DEFINE_string('coordinator_address', None,
                     'HOST:PORT of process 0, for a multi-process run (jax.distributed).')
 flags.DEFINE_integer('num_processes', None, 'Number of processes of a multi-process run.')
 flags.DEFINE_integer('process_id', None, 'Index of this process, in [0, num_processes).')
+flags.DEFINE_string('compilation_cache', runtime.default_compilation_cache(),
+                    "Directory of JAX's persistent compilation cache: a rerun, resume or sweep "
+                    "trial reads its compiled programs from there ('' turns it off).")
 
 
 def load_config() -> ml_collections.ConfigDict:
@@ -117,6 +120,7 @@ def main(argv):
   from training import workdirs
   # pylint: enable=g-import-not-at-top
   runtime.quiet_libraries(FLAGS.verbose)
+  runtime.use_compilation_cache(FLAGS.compilation_cache)
   # TensorFlow only feeds data; keep it off the GPUs so JAX gets all their memory.
   tf.config.set_visible_devices([], 'GPU')
   try:

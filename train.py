@@ -63,8 +63,8 @@ def train_and_evaluate(run: run_spec.Run, workdir: str) -> dict[str, float]:
                                  has_checkpoint=bool(checkpoints.all_steps()))
     if (done := _finished(run, workdir, checkpoints)) is not None:
       return done
-    mesh = parallel.create_mesh()
-    jax.set_mesh(mesh)  # The state is created replicated over all devices.
+    mesh = parallel.create_mesh(run.fsdp)
+    jax.set_mesh(mesh)  # The state is created over the mesh: replicated, or split (FSDP).
     data = input_pipeline.open_data(run.input, run.eval_splits())
     run.check_against_data(data.info, jax.device_count())
     logging.info('Dataset: %s', data.info)

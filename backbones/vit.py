@@ -298,6 +298,15 @@ class ViTBase(VisionTransformer):
   features, depth, num_heads = 768, 12, 12
 
 
+@models.MODELS.register(
+    'vit_large_patch16_224', key_map=KEY_MAP, layers=LAYERS,
+    pretrained=common.pretrained_cfg('timm/vit_large_patch16_224.augreg_in21k_ft_in1k',
+                                     **_AUGREG))
+class ViTLarge(VisionTransformer):
+  """ViT-L/16: 1024 features, 24 blocks, 16 heads (304M parameters with 1,000 classes)."""
+  features, depth, num_heads = 1024, 24, 16
+
+
 class Dinov2(VisionTransformer):
   """DINOv2's ViTs (Oquab et al. 2023), self-supervised on LVD-142M at 518x518: 14x14 patches
   and layer scale. Those with registers (Darcet et al. 2024) add 4 learned tokens after the class

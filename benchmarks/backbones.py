@@ -50,9 +50,27 @@ their own.
 GPU (--device=cuda): JAX on its GPU backend (the venv needs jax[cuda]) with cpu_kernels off
 and PyTorch on CUDA; default configurations jax_off, torch_eager, torch_compile.
 `benchmarks/backbones_gpu.sh` is the prepared run.
+
+TPU (--device=tpu, the venv needs jax[tpu]): the app's step (jax_off: the stock layers) beside
+big_vision's, the JAX peer on TPUs:
+  big_vision: `big_vision/models/vit.py` of a google-research/big_vision checkout (its root
+      given by --big_vision; never imported by the app or its tests) with timm's class-token
+      head (`pool_type='tok'`), matmuls in the dtype (`dtype_mm`), in a plain `jax.jit` step
+      with its state donated: optax's AdamW (weight decay 0.05) along the same warm-up +
+      cosine schedule, cross-entropy with label smoothing 0.1, on the same uint8 batches scaled
+      to [-1, 1] inside the step. No EMA of the weights (the app's step keeps one) and no
+      train metrics. Without --big_vision its rows are left out, and the run says so.
+Every JAX row carries XLA's FLOP count of the compiled step (`cost_analysis()['flops']`) and
+its MFU: those FLOPs per second over the chip's bf16 peak (PEAK_FLOPS, by JAX's device kind)
+or, on a CPU, over a 2048x2048 matmul's FLOP/s in the row's dtype, measured in the same child.
+A PyTorch row's MFU counts the FLOPs of the app's step of the same model and dtype, when the
+run has that row. Each JAX row also gives the seconds to create the training state and to
+compile the step (the first step's `first_step_seconds` includes both), and, on an
+accelerator, the chip's kind and the runtime's version (libtpu's, on a TPU).
 """
 
 import collections
+import functools
 import json
 import os
 import resource
@@ -65,11 +83,20 @@ from absl import flags
 from benchmarks import harness
 
 FLAGS = flags.FLAGS
-CONFIGURATIONS = ('jax_auto', 'jax_off', 'torch_eager', 'torch_compile', 'onnxruntime')
+CONFIGURATIONS = ('jax_auto', 'jax_off', 'torch_eager', 'torch_compile', 'onnxruntime',
+                  'big_vision')
 # By --task, then --device. ONNX Runtime runs the app's ONNX export: inference only.
 DEFAULT_CONFIGURATIONS = {
-    'train': {'cpu': CONFIGURATIONS[:4], 'cuda': ('jax_off', 'torch_eager', 'torch_compile')},
-    'inference': {'cpu': CONFIGURATIONS, 'cuda': ('jax_off', 'torch_eager', 'torch_compile')}}
+    'train': {'cpu': CONFIGURATIONS[:4], 'cuda': ('jax_off', 'torch_eager', 'torch_compile'),
+              'tpu': ('jax_off', 'big_vision')},
+    'inference': {'cpu': CONFIGURATIONS[:5],
+                  'cuda': ('jax_off', 'torch_eager', 'torch_compile'), 'tpu': ('jax_off',)}}
+# big_vision's name of each ViT it can build, by timm's name.
+BIG_VISION_VARIANTS = {'vit_tiny_patch16_224': 'Ti/16', 'vit_small_patch16_224': 'S/16',
+                       'vit_base_patch16_224': 'B/16', 'vit_large_patch16_224': 'L/16'}
+# Dense bfloat16 FLOP/s of one chip, by JAX's device kind: the vendors' published peaks.
+PEAK_FLOPS = {'TPU v4': 275e12, 'TPU v5 lite': 197e12, 'TPU v5': 459e12,
+              'TPU v6 lite': 918e12, 'NVIDIA H100 80GB HBM3': 989e12, 'NVIDIA H200': 989e12}
 # The toy model: timm's ResNet and this app's, one basic block per stage, these widths.
 TOY_MODEL, TOY_WIDTHS = 'toy_resnet', (8, 16, 24, 32)
 NUM_CLASSES = 1000  # ImageNet's head, as the models are published.
@@ -81,7 +108,9 @@ def define_flags() -> None:
   beside other benchmarks, whose flags share names)."""
   flags.DEFINE_string('json', None, 'Where to write the figures (after every row).')
   flags.mark_flag_as_required('json')
-  flags.DEFINE_enum('device', 'cpu', ['cpu', 'cuda'], 'Where PyTorch and JAX run.')
+  flags.DEFINE_enum('device', 'cpu', ['cpu', 'cuda', 'tpu'], 'Where PyTorch and JAX run.')
+  flags.DEFINE_string('big_vision', None, 'The root of a google-research/big_vision checkout, '
+                      'for the big_vision rows (ViTs).')
   flags.DEFINE_enum('task', 'train', ['train', 'inference'], 'What is timed: a train step, or '
                     'the class probabilities of a batch (--mode=predict and eval).')
   flags.DEFINE_integer('rounds', 3, 'Rounds of every configuration; figures are medians.',
@@ -91,7 +120,7 @@ def define_flags() -> None:
   flags.DEFINE_list('dtypes', ['float32', 'bfloat16'], 'What the models compute in.')
   flags.DEFINE_list('configurations', None, 'What to run (default: all for --task and '
                     '--device): jax_auto, jax_off, torch_eager, torch_compile, onnxruntime '
-                    '(inference).')
+                    '(inference), big_vision (train, ViTs).')
   flags.DEFINE_integer('batch_size', 32, 'Images per step.', lower_bound=1)
   flags.DEFINE_integer('image_size', 224, 'Height and width of the images.', lower_bound=16)
   flags.DEFINE_integer('warmup', 3, 'Untimed steps first (the first compiles).', lower_bound=1)
@@ -179,9 +208,12 @@ def measure_jax(configuration: str, model: str, dtype: str) -> dict:
   info = dataset_info(steps_per_epoch)
   mesh = parallel.create_mesh()
   jax.set_mesh(mesh)  # As training sets it: the state is replicated over the devices.
+  start = time.perf_counter()
   state = state_lib.create(run.model, info, run.optimization,
                            run.optimization.learning_rate_schedule(steps_per_epoch),
                            seed=run.seed, ema_decay=run.ema_decay)
+  jax.block_until_ready(jax.tree.leaves(state))
+  state_seconds = time.perf_counter() - start
   train_step = state_lib.make_train_step(run.loss(info.num_classes), run.input.preprocess)
   labels = np.random.default_rng(1).integers(0, NUM_CLASSES, FLAGS.batch_size, np.int32)
   batch = parallel.shard({'image': random_images(), 'label': labels}, mesh)
@@ -191,15 +223,86 @@ def measure_jax(configuration: str, model: str, dtype: str) -> dict:
     jax.block_until_ready(jax.tree.leaves(state))
 
   # As training does (train._compile): compiled before the first batch, then the compiler's
-  # freed memory returned; the first step's seconds include both.
+  # freed memory returned; the first step's seconds include both, and the state's creation.
   start = time.perf_counter()
-  runtime.release_compiler_memory(train_step.lower(state, batch).compile())
+  compiled = train_step.lower(state, batch).compile()
   compile_seconds = time.perf_counter() - start
   figures = timed_steps(step)
-  figures['first_step_seconds'] += compile_seconds
-  return {**figures, 'threads': len(os.sched_getaffinity(0)),
-          'device_name': jax.devices()[0].device_kind, 'devices': jax.device_count(),
-          'ema_decay': run.ema_decay}
+  figures['first_step_seconds'] += state_seconds + compile_seconds
+  runtime.release_compiler_memory(compiled)
+  return {**figures, **jax_figures(compiled, dtype), 'state_seconds': state_seconds,
+          'compile_seconds': compile_seconds, 'ema_decay': run.ema_decay}
+
+
+def jax_figures(compiled, dtype: str) -> dict:
+  """What every JAX row reports of its compiled step and device: XLA's FLOP count of the step,
+  the peak FLOP/s its MFU is taken against (PEAK_FLOPS, or on a CPU a matmul's in `dtype`),
+  the device's kind and count, the runtime's version and this child's threads."""
+  import jax  # pylint: disable=g-import-not-at-top
+  device = jax.devices()[0]
+  peak = PEAK_FLOPS.get(device.device_kind)
+  if peak is None and device.platform == 'cpu':
+    peak = harness.matmul_flops_per_sec(dtype)
+  return {'flops_per_step': compiled.cost_analysis()['flops'], 'peak_flops': peak,
+          'device_name': device.device_kind, 'devices': jax.device_count(),
+          'platform_version': device.client.platform_version,
+          'threads': len(os.sched_getaffinity(0))}
+
+
+def measure_big_vision(configuration: str, model: str, dtype: str) -> dict:
+  """Times big_vision's ViT of `model` (--big_vision's checkout) computing its matmuls in
+  `dtype`, in a plain `jax.jit` AdamW step on the state it donates (the module's docstring)."""
+  del configuration
+  if model not in BIG_VISION_VARIANTS:
+    raise app.UsageError(f'big_vision builds the ViTs {sorted(BIG_VISION_VARIANTS)}, not '
+                         f'{model}.')
+  sys.path.insert(0, FLAGS.big_vision)
+  # pylint: disable=g-import-not-at-top  (only this child imports the peer)
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from big_vision.models import vit
+  # pylint: enable=g-import-not-at-top
+  network = vit.Model(NUM_CLASSES, variant=BIG_VISION_VARIANTS[model], pool_type='tok',
+                      dtype_mm=dtype)
+  steps = FLAGS.warmup + FLAGS.steps
+  optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 3e-4, steps // 2 + 1, steps),
+                          weight_decay=0.05)
+  images = jnp.asarray(random_images())
+  labels = jnp.asarray(np.random.default_rng(1).integers(0, NUM_CLASSES, FLAGS.batch_size))
+  scale = lambda images: images.astype(jnp.float32) / 127.5 - 1.0  # big_vision's [-1, 1].
+
+  @jax.jit
+  def create():
+    params = network.init(jax.random.key(0), scale(images[:1]))['params']
+    return params, optimizer.init(params)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def train_step(params, opt_state, images, labels):
+    def loss_fn(params):
+      logits, _ = network.apply({'params': params}, scale(images), train=True)
+      targets = optax.smooth_labels(jax.nn.one_hot(labels, NUM_CLASSES), LABEL_SMOOTHING)
+      return optax.softmax_cross_entropy(logits.astype(jnp.float32), targets).mean()
+    grads = jax.grad(loss_fn)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  start = time.perf_counter()
+  state = jax.block_until_ready(create())
+  state_seconds = time.perf_counter() - start
+  start = time.perf_counter()
+  compiled = train_step.lower(*state, images, labels).compile()
+  compile_seconds = time.perf_counter() - start
+
+  def step():
+    nonlocal state
+    state = jax.block_until_ready(train_step(*state, images, labels))
+
+  figures = timed_steps(step)
+  figures['first_step_seconds'] += state_seconds + compile_seconds
+  return {**figures, **jax_figures(compiled, dtype), 'state_seconds': state_seconds,
+          'compile_seconds': compile_seconds}
 
 
 def measure_app_inference(configuration: str, model: str, dtype: str) -> dict:
@@ -328,7 +431,8 @@ def measure_torch_inference(configuration: str, model: str, dtype: str) -> dict:
   return {**timed_steps(step), **torch_threads_and_device(device)}
 
 
-MEASURES = {'train': {'jax': measure_jax, 'torch': measure_torch},
+# By --task, then the library a configuration runs in (the part of its name before '_').
+MEASURES = {'train': {'jax': measure_jax, 'torch': measure_torch, 'big': measure_big_vision},
             'inference': {'jax': measure_app_inference, 'onnxruntime': measure_app_inference,
                           'torch': measure_torch_inference}}
 
@@ -339,56 +443,85 @@ def run_configuration(configuration: str, model: str, dtype: str) -> dict:
   figures, child = harness.json_child(
       [sys.executable, '-m', 'benchmarks.backbones', f'--child={configuration}',
        f'--task={FLAGS.task}', f'--models={model}', f'--dtypes={dtype}',
-       f'--device={FLAGS.device}',
+       f'--device={FLAGS.device}', f'--big_vision={FLAGS.big_vision or ""}',
        f'--batch_size={FLAGS.batch_size}', f'--image_size={FLAGS.image_size}',
        f'--warmup={FLAGS.warmup}', f'--steps={FLAGS.steps}'],
       None if configuration.startswith('torch') else harness.jax_child_env(FLAGS.device))
   median_step = harness.median(figures['step_seconds'])
   return {**figures, 'median_step_seconds': median_step,
           'images_per_sec': FLAGS.batch_size / median_step, 'process_seconds': child.seconds,
-          'load_1min': load}
+          'load_1min': load, 'mfu': mfu(figures.get('flops_per_step'),
+                                        figures.get('peak_flops'), median_step)}
+
+
+def mfu(flops_per_step: float | None, peak_flops: float | None,
+        step_seconds: float) -> float | None:
+  """The step's FLOP/s over the peak, or None without both."""
+  if not flops_per_step or not peak_flops:
+    return None
+  return flops_per_step / step_seconds / peak_flops
 
 
 def summarize(every_round: dict[tuple[str, str, str], list[dict]]) -> list[dict]:
-  """A row per (model, dtype, configuration): medians over the rounds, and images/s over the
-  best PyTorch configuration's of the same model and dtype."""
+  """A row per (model, dtype, configuration): medians over the rounds, images/s over the best
+  PyTorch configuration's of the same model and dtype, and MFU (a PyTorch row's with the FLOPs
+  of the app's step of its model and dtype)."""
   rows = []
   for (model, dtype, configuration), runs in every_round.items():
+    optional = lambda key: harness.median([run[key] for run in runs]) if key in runs[0] else None
     rows.append({'model': model, 'dtype': dtype, 'configuration': configuration,
                  **{key: harness.median([run[key] for run in runs])
                     for key in ('images_per_sec', 'median_step_seconds', 'first_step_seconds',
                                 'load_1min', 'peak_rss_mb', 'page_faults_per_step')},
+                 # JAX's alone; None for PyTorch's.
+                 **{key: optional(key) for key in ('flops_per_step', 'peak_flops',
+                                                   'state_seconds', 'compile_seconds')},
                  'threads': runs[0]['threads'], 'device_name': runs[0]['device_name'],
-                 'devices': runs[0].get('devices')})  # JAX's; None for PyTorch's.
+                 'devices': runs[0].get('devices'),
+                 'platform_version': runs[0].get('platform_version')})
   for row in rows:
-    torch_rates = [other['images_per_sec'] for other in rows
-                   if (other['model'], other['dtype']) == (row['model'], row['dtype'])
-                   and other['configuration'].startswith('torch')]
+    same = [other for other in rows
+            if (other['model'], other['dtype']) == (row['model'], row['dtype'])]
+    torch_rates = [other['images_per_sec'] for other in same
+                   if other['configuration'].startswith('torch')]
     row['vs_best_torch'] = row['images_per_sec'] / max(torch_rates) if torch_rates else None
+    app_row = next((other for other in same if other['configuration'].startswith('jax')
+                    and other['flops_per_step']), None)
+    if row['flops_per_step'] is None and app_row is not None:
+      row['flops_per_step'], row['peak_flops'] = app_row['flops_per_step'], app_row['peak_flops']
+    row['mfu'] = mfu(row['flops_per_step'], row['peak_flops'], row['median_step_seconds'])
   return rows
 
 
 def markdown_table(rows: list[dict]) -> str:
   """The table of `rows` (summarize's)."""
   return harness.markdown_table(
-      ['model', 'dtype', 'configuration', 'images/s', 'median step (s)',
+      ['model', 'dtype', 'configuration', 'images/s', 'MFU', 'median step (s)',
        'first step, compile included (s)', 'vs best PyTorch', 'peak RSS (MB)',
        'page faults a step', 'threads', 'load (1 min)'],
       [[row['model'], row['dtype'], row['configuration'], f'{row["images_per_sec"]:,.2f}',
+        f'{row["mfu"]:.1%}' if row.get('mfu') is not None else '',
         f'{row["median_step_seconds"]:.3f}', f'{row["first_step_seconds"]:.1f}',
         f'{row["vs_best_torch"]:.2f}x' if row['vs_best_torch'] is not None else '',
         f'{row["peak_rss_mb"]:,.0f}', f'{row["page_faults_per_step"]:,.0f}', row['threads'],
         f'{row["load_1min"]:.2f}']
-       for row in rows], align='lllrrrrrrrr')
+       for row in rows], align='lllrrrrrrrrr')
 
 
 def selected_configurations() -> list[str]:
-  known = DEFAULT_CONFIGURATIONS[FLAGS.task][FLAGS.device]
-  names = FLAGS.configurations or list(known)
+  known = [name for name in CONFIGURATIONS if name in MEASURES[FLAGS.task]
+           or name.split('_')[0] in MEASURES[FLAGS.task]]
+  names = list(FLAGS.configurations or DEFAULT_CONFIGURATIONS[FLAGS.task][FLAGS.device])
   unknown = [name for name in names if name not in known]
   if unknown:
     raise app.UsageError(f'--configurations {unknown} do not run --task={FLAGS.task} on '
                          f'--device={FLAGS.device}: choose from {list(known)}.')
+  if 'big_vision' in names and not os.path.isfile(os.path.join(
+      FLAGS.big_vision or '', 'big_vision', 'models', 'vit.py')):
+    print(f'No big_vision rows: --big_vision={FLAGS.big_vision or ""} is not a checkout of '
+          'google-research/big_vision (git clone https://github.com/google-research/big_vision '
+          'and pass its root).', flush=True)
+    names.remove('big_vision')
   return names
 
 
@@ -417,6 +550,8 @@ def main(argv):
     for model in FLAGS.models:
       for dtype in FLAGS.dtypes:
         for configuration in configurations:
+          if configuration == 'big_vision' and model not in BIG_VISION_VARIANTS:
+            continue  # big_vision's rows are ViTs'.
           run = run_configuration(configuration, model, dtype)
           every_round[model, dtype, configuration].append(run)
           print(f'round {round_index} {model} {dtype} {configuration}: '

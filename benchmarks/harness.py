@@ -91,17 +91,21 @@ def run_child(command: Sequence[str], *, env: dict[str, str] | None = None, echo
               check: bool = True) -> Child:
   """Runs `command` from the repository root and waits for it.
 
-  Each child gets a fresh, empty PyTorch inductor cache, so that a torch.compile child compiles
-  cold as every JAX child does. `echo` prints its output as it comes, and `log_path` gets all of
+  Each child gets a fresh, empty PyTorch inductor cache and JAX compilation cache (unless its
+  environment names one: `$JAX_COMPILATION_CACHE_DIR`, as the tests share one, or a benchmark of
+  warm starts), so that every child compiles cold. `echo` prints its output as it comes, and `log_path` gets all of
   it; `stop(line)` is called on each line of it, and the child is terminated once it returns
   True. With `check`, a child that fails (other than by that stop) raises RuntimeError with the
   end of its output.
   """
+  env = env or os.environ
   with (tempfile.TemporaryDirectory() as inductor_cache,
+        tempfile.TemporaryDirectory() as jax_cache,
         open(log_path or os.devnull, 'w', encoding='utf-8') as log):
     start = time.perf_counter()
     process = subprocess.Popen(
-        command, cwd=ROOT, env={**(env or os.environ), 'TORCHINDUCTOR_CACHE_DIR': inductor_cache},
+        command, cwd=ROOT, env={'JAX_COMPILATION_CACHE_DIR': jax_cache, **env,
+                                'TORCHINDUCTOR_CACHE_DIR': inductor_cache},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail, stopped = collections.deque(maxlen=_OUTPUT_LINES_KEPT), False
     for line in process.stdout:
@@ -197,7 +201,7 @@ def machine() -> dict[str, str | int | bool | None]:
 
   return {**parse_lscpu(lscpu), 'cpu_count': os.cpu_count(),
           'usable_cores': len(os.sched_getaffinity(0)),
-          **{package: version(package) for package in ('jax', 'jaxlib', 'torch')}}
+          **{package: version(package) for package in ('jax', 'jaxlib', 'libtpu', 'torch')}}
 
 
 def machine_line(described: dict) -> str:

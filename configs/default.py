@@ -101,7 +101,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer_options = ml_collections.ConfigDict({
       'sgd': {'momentum': 0.9},  # 0 = plain SGD.
       'sgd_l2': {'momentum': 0.9, 'weight_decay': 1e-4},  # L2 weight decay on the gradients.
-      'adamw': {'weight_decay': 1e-4},  # Decoupled weight decay.
+      # Decoupled weight decay; mu_dtype='bfloat16' keeps Adam's first moment in bfloat16.
+      'adamw': {'weight_decay': 1e-4, 'mu_dtype': 'float32'},
   })
   # Any other optax optimizer whose first argument is the learning rate also works by name
   # ('lamb', 'lion', 'adafactor', ...), its keyword arguments in optimizer_options.<name>.
@@ -145,6 +146,9 @@ def get_config() -> ml_collections.ConfigDict:
   # batch_size of 64 updates as a batch of 128 would, except that BatchNorm normalises (and
   # updates its averages) with the statistics of each batch of 64. The schedule counts updates.
   config.grad_accum_steps = 1
+  # Devices that split the parameters and optimizer state among them (FSDP, training/
+  # parallel.py), for a model too large for one device's memory; 1 = each device holds all.
+  config.fsdp = 1
   config.num_epochs = 10  # Passes over the training split.
   config.seed = 0  # Seeds parameter init, dropout, the per-epoch shuffle order and augmentation.
   # Moving average of the weights (nnx.EMA), updated after every step; 0 = off. When on, eval,

@@ -41,7 +41,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_batch_size = 64  # 224-px images: a few hundred MB a batch.
   config.num_epochs = 10
   config.optimizer = 'adamw'
-  config.optimizer_options.adamw = {'weight_decay': 0.05}
+  config.optimizer_options.adamw.weight_decay = 0.05
   config.learning_rate = 3e-4
   config.schedule = 'cosine'
   config.warmup_epochs = 1.0

@@ -14,7 +14,7 @@ from core import errors
 
 # Keys whose value is an integer >= 1, and >= 0.
 COUNTS = ('batch_size', 'num_epochs', 'log_every_steps', 'shuffle_buffer_size',
-          'checkpoint_every_steps', 'max_checkpoints_to_keep', 'grad_accum_steps')
+          'checkpoint_every_steps', 'max_checkpoints_to_keep', 'grad_accum_steps', 'fsdp')
 NON_NEGATIVE = ('early_stopping_patience', 'profile_steps', 'precise_bn_batches',
                 'linear_probe_views')
 # Test-time augmentations (config.eval_tta, --tta): 'flip', the image and its left-right mirror.

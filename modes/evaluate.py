@@ -43,8 +43,8 @@ def evaluate_checkpoint(run: run_spec.Run, workdir: str,
                         checkpoint: str = 'latest') -> dict[str, float]:
   """Evaluates a checkpoint (--checkpoint) with the run's 'eval' evaluation (config.eval_split
   and config.evaluators, with the report's); prints, writes a report."""
-  mesh = parallel.create_mesh()
-  jax.set_mesh(mesh)  # As in training: the model is replicated, eval batches are sharded.
+  mesh = parallel.create_mesh(run.fsdp)
+  jax.set_mesh(mesh)  # As in training: the model placed alike, eval batches sharded.
   info = modes.dataset_info(run, workdir)
   model, step = modes.load_model(run, workdir, info, checkpoint)
   temperature = calibration.saved_temperature(workdir, run.temperature_scaling)

@@ -1,4 +1,5 @@
-"""Data parallelism: 4 simulated devices in one process (several processes: test_launch.py)."""
+"""Data parallelism and FSDP: 8 simulated devices in one process (several processes:
+test_launch.py)."""
 
 import json
 import os
@@ -19,11 +20,12 @@ from tests.helpers import build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Runs in a subprocess with 4 CPU devices: 3 train steps on real MNIST (global batch 128) and an
-# eval of the whole test split, once on a 1-device mesh and once on the 4-device mesh. Prints
-# JSON: the metrics of both, the largest parameter difference, the state and batch shardings,
-# and how many compilations the later train dispatches needed.
-_FOUR_DEVICE_SCRIPT = r'''
+# Runs in a subprocess with 8 CPU devices: 3 train steps on real MNIST (global batch 128) and an
+# eval of the whole test split, on a 1-device mesh, on all 8 devices with data parallelism
+# (config.fsdp=1) and with FSDP (config.fsdp=4: a (2, 4) mesh). Prints JSON: the metrics of
+# each, the largest parameter difference from the 1-device run's, the state and batch
+# shardings, and how many compilations the later train dispatches needed.
+_EIGHT_DEVICE_SCRIPT = r'''
 import json, sys
 from core import runtime  # First, as in main.py: a later triton import segfaults (its docstring).
 import jax, numpy as np
@@ -34,7 +36,7 @@ from configs import default
 
 config = default.get_config()
 config.data_dir = sys.argv[1]
-config.eval_batch_size = 1001  # Rounded up to 1004 on 4 devices: padding must stay masked.
+config.eval_batch_size = 1001  # Rounded up to 1008 on 8 devices: padding must stay masked.
 run = run_spec.resolve(config)
 data = input_pipeline.open_data(run.input, run.eval_splits())
 split = data.source.load_split('train[:384]')
@@ -44,11 +46,11 @@ compiles = []
 jax.monitoring.register_event_duration_secs_listener(
     lambda event, duration, **kwargs: compiles.append(event)
     if event == '/jax/core/compile/backend_compile_duration' else None)
-auto = (jax.sharding.AxisType.Auto,)
+auto = (jax.sharding.AxisType.Auto,) * 2
 out = {}
-for name, mesh in (('one', jax.make_mesh((1,), ('data',), axis_types=auto,
+for name, mesh in (('one', jax.make_mesh((1, 1), ('data', 'fsdp'), axis_types=auto,
                                          devices=jax.devices()[:1])),
-                   ('four', parallel.create_mesh())):
+                   ('data', parallel.create_mesh()), ('fsdp', parallel.create_mesh(fsdp=4))):
   with jax.set_mesh(mesh):
     state = state_lib.create(run.model, data.info, run.optimization,
                              run.optimization.learning_rate_schedule(3), seed=run.seed)
@@ -71,37 +73,50 @@ for name, mesh in (('one', jax.make_mesh((1,), ('data',), axis_types=auto,
                'batch_spec': str(batch['image'].sharding.spec),
                'state_specs': sorted({str(x.sharding.spec) for x in jax.tree.leaves(
                    nnx.state(state))}),
-               'state_devices': len(jax.tree.leaves(nnx.state(state.model))[0].sharding.device_set)}
+               'state_devices': len(jax.tree.leaves(nnx.state(state.model))[0].sharding.device_set),
+               'largest_kernel_shard': max(
+                   x.addressable_shards[0].data.shape for x in jax.tree.leaves(
+                       nnx.state(state.model, nnx.Param)) if x.ndim == 2)}
   out[name + '_params'] = jax.tree.map(np.asarray, nnx.state(state.model, nnx.Param,
                                                              nnx.BatchStat))
-differences = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))),
-                           out.pop('one_params'), out.pop('four_params'))
-out['max_param_difference'] = max(jax.tree.leaves(differences))
+for name in ('data', 'fsdp'):
+  differences = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))),
+                             out['one_params'], out[name + '_params'])
+  out[name]['max_param_difference'] = max(jax.tree.leaves(differences))
+del out['one_params'], out['data_params'], out['fsdp_params']
 print('RESULT', json.dumps(out))
 '''
 
 
 @pytest.mark.slow
-def test_four_devices_match_one_device_on_the_same_global_batch(tfds_data_dir):
-  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=4',
+def test_data_parallelism_and_fsdp_on_eight_devices_match_one_device(tfds_data_dir):
+  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=8',
          'JAX_PLATFORMS': 'cpu'}
-  result = subprocess.run([sys.executable, '-c', _FOUR_DEVICE_SCRIPT, tfds_data_dir],
+  result = subprocess.run([sys.executable, '-c', _EIGHT_DEVICE_SCRIPT, tfds_data_dir],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   out = json.loads(result.stdout.split('RESULT ')[-1])
-  one, four = out['one'], out['four']
-
-  assert four['batch_spec'] == "P('data',)"
-  assert four['state_specs'] == ['P()'] and four['state_devices'] == 4
-  # Steps 2 and 3 reuse the executable that step 1 compiled.
-  assert four['later_train_compiles'] == 0
-  assert out['max_param_difference'] < 1e-5
-  assert one['support'] == four['support'] == 10_000  # Every example once, padding masked.
-  for key in ('train/loss', 'train/accuracy', 'eval/loss', 'eval/accuracy', 'eval/macro_f1'):
-    # Sums over 4 devices add in another order; after 3 steps many test images sit near a
-    # decision boundary, where that may flip the argmax of an example or two.
-    tolerance = 3e-4 if key in ('eval/accuracy', 'eval/macro_f1') else 0
-    assert four[key] == pytest.approx(one[key], rel=1e-5, abs=tolerance), key
+  one = out['one']
+  for name in ('data', 'fsdp'):
+    run = out[name]
+    assert run['batch_spec'] == "P(('data', 'fsdp'),)", name
+    assert run['state_devices'] == 8, name
+    # Steps 2 and 3 reuse the executable that step 1 compiled: the updated state keeps the
+    # shardings it came in with.
+    assert run['later_train_compiles'] == 0, name
+    assert run['max_param_difference'] < 1e-5, name
+    assert run['support'] == 10_000  # Every example once, padding masked.
+    for key in ('train/loss', 'train/accuracy', 'eval/loss', 'eval/accuracy', 'eval/macro_f1'):
+      # Sums over 8 devices add in another order; after 3 steps many test images sit near a
+      # decision boundary, where that may flip the argmax of an example or two.
+      tolerance = 3e-4 if key in ('eval/accuracy', 'eval/macro_f1') else 0
+      assert run[key] == pytest.approx(one[key], rel=1e-5, abs=tolerance), (name, key)
+  assert out['data']['state_specs'] == ['P()']  # Data parallelism: every array whole.
+  # FSDP: the large arrays split over the 4 devices of each 'fsdp' row (the (3136, 256) dense
+  # kernel into (784, 256) pieces), the small ones whole.
+  assert out['fsdp']['state_specs'] == ["P('fsdp',)", 'P()']
+  assert out['fsdp']['largest_kernel_shard'] == [784, 256]
+  assert out['data']['largest_kernel_shard'] == [3136, 256]
 
 
 def test_batch_size_must_divide_by_the_device_count():

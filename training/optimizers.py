@@ -80,16 +80,19 @@ def sgd_l2(learning_rate: optax.Schedule, *, momentum: float = 0.9,
 
 
 @OPTIMIZERS.register('adam')
-def adam(learning_rate: optax.Schedule, *, b1: float = 0.9,
-         b2: float = 0.999) -> optax.GradientTransformation:
-  return optax.adam(learning_rate, b1=b1, b2=b2)
+def adam(learning_rate: optax.Schedule, *, b1: float = 0.9, b2: float = 0.999,
+         mu_dtype: str = 'float32') -> optax.GradientTransformation:
+  """Adam; `mu_dtype` 'bfloat16' keeps the first moment in bfloat16 (a quarter of the
+  optimizer's memory saved: for a model that barely fits, such as ViT-L/16 on 16 GB)."""
+  return optax.adam(learning_rate, b1=b1, b2=b2, mu_dtype=mu_dtype)
 
 
 @OPTIMIZERS.register('adamw')
 def adamw(learning_rate: optax.Schedule, *, weight_decay: float = 1e-4, b1: float = 0.9,
-          b2: float = 0.999) -> optax.GradientTransformation:
-  """Adam with decoupled weight decay of the kernels."""
-  return optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask)
+          b2: float = 0.999, mu_dtype: str = 'float32') -> optax.GradientTransformation:
+  """Adam with decoupled weight decay of the kernels (`mu_dtype`: as adam's)."""
+  return optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask,
+                     mu_dtype=mu_dtype)
 
 
 @SCHEDULES.register('constant')

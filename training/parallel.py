@@ -1,10 +1,16 @@
-"""Data parallelism over every device of every process, with JAX's own runtime and shardings.
+"""Data parallelism and FSDP over every device of every process, with JAX's own runtime and
+shardings.
 
-One mesh axis, 'data', spans all devices (`jax.device_count()`, across processes). Every batch is
-split along 'data'; parameters, optimizer state and metrics are replicated. Under `jit`, XLA
-inserts the cross-device reductions itself (the gradient all-reduce, BatchNorm's batch
-statistics, metric sums), so the model and step code are unchanged and N devices compute what one
-device computes on the same global batch.
+The mesh has two axes, ('data', 'fsdp'), of config.fsdp devices along 'fsdp' (1 by default) and
+the rest along 'data'. Every batch is split over both, so each device gets its share of it.
+With config.fsdp = 1 the parameters, optimizer state and metrics are replicated: plain data
+parallelism. With config.fsdp = N, each parameter and optimizer array of at least
+`MIN_SHARDED_SIZE` elements is split over the N devices of its 'fsdp' row along its largest
+dimension that N divides (Zhao et al. 2023's fully sharded data parallelism, big_vision's and
+MaxText's 'fsdp' rule): a model N times larger than one device's memory share fits. Under `jit`,
+XLA inserts the collectives itself (the gradient reductions, the gathers of sharded weights,
+BatchNorm's batch statistics, metric sums), so the model and step code are unchanged and N
+devices compute what one device computes on the same global batch.
 
 With several processes (one per host), each reads only its own slice of every split
 (`input_pipeline.process_split`) and feeds its share of each global batch
@@ -16,6 +22,8 @@ the collectives hang:
   * eval: nothing is dropped; every process pads its slice to the same number of batches and the
     padding is masked out, so each example counts exactly once.
 """
+
+import math
 
 from absl import logging
 import jax
@@ -64,16 +72,40 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
         value=(coordinator_address, num_processes, process_id)) from error
 
 
-def create_mesh() -> jax.sharding.Mesh:
-  """A 1-D mesh over all devices of all processes, axis 'data'.
+DATA, FSDP = 'data', 'fsdp'
+BATCH = P((DATA, FSDP))  # A batch's first axis is split over every device.
+# Smaller arrays (biases, norms' scales, the step count) stay whole on every device: splitting
+# them saves little memory and adds a collective each.
+MIN_SHARDED_SIZE = 1 << 16
 
-  Pass it to `jax.set_mesh` before creating the model: arrays created from then on (parameters,
-  optimizer state, fresh metrics) are replicated over the mesh, so the train and eval steps see
-  one layout and compile once.
+
+def create_mesh(fsdp: int = 1) -> jax.sharding.Mesh:
+  """A mesh over all devices of all processes: axes ('data', 'fsdp'), `fsdp` devices along
+  'fsdp' (config.fsdp), the others along 'data'.
+
+  Pass it to `jax.set_mesh` before creating the training state (`training.state.create` places
+  its arrays by `state_sharding`), so that the train and eval steps see one layout and compile
+  once.
   """
+  if fsdp < 1 or jax.device_count() % fsdp:
+    raise errors.ConfigError(
+        f'config.fsdp={fsdp} does not divide the {jax.device_count()} devices: set it to a '
+        'divisor of the device count (1: data parallelism alone).', key='fsdp', value=fsdp)
   # Auto axes: XLA propagates shardings from the inputs, so model code needs no annotations.
-  return jax.make_mesh((jax.device_count(),), ('data',),
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  return jax.make_mesh((jax.device_count() // fsdp, fsdp), (DATA, FSDP),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def state_sharding(mesh: jax.sharding.Mesh, shape: tuple[int, ...]) -> NamedSharding:
+  """Where a training state's array of `shape` lives: split over 'fsdp' along its largest
+  dimension that the axis divides (the first of equal ones), if it has `MIN_SHARDED_SIZE`
+  elements or more; else replicated."""
+  size = mesh.shape.get(FSDP, 1)
+  if size > 1 and math.prod(shape) >= MIN_SHARDED_SIZE:
+    for axis in sorted(range(len(shape)), key=lambda axis: -shape[axis]):
+      if shape[axis] % size == 0:
+        return NamedSharding(mesh, P(*(FSDP if i == axis else None for i in range(len(shape)))))
+  return NamedSharding(mesh, P())
 
 
 def shard(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh):
@@ -89,7 +121,7 @@ def abstract_batch(shapes: dict[str, tuple[tuple[int, ...], np.dtype]],
 
 
 def _batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
-  return NamedSharding(mesh, P('data'))
+  return NamedSharding(mesh, BATCH)
 
 
 def to_host(array: jax.Array) -> np.ndarray:
@@ -98,10 +130,10 @@ def to_host(array: jax.Array) -> np.ndarray:
 
 
 def to_process_local(array: jax.Array) -> np.ndarray:
-  """This process's rows of a global `array` split along 'data' (`shard`'s inverse), on the
-  host."""
+  """This process's rows of a global `array` split over the devices (`shard`'s inverse), on
+  the host."""
   return np.asarray(multihost_utils.global_array_to_host_local_array(
-      array, array.sharding.mesh, P('data')))
+      array, array.sharding.mesh, BATCH))
 
 
 def sum_over_processes(array: np.ndarray) -> np.ndarray:

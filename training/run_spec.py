@@ -81,6 +81,7 @@ class Run:
   seed: int
   ema_decay: float
   nonfinite: str
+  fsdp: int  # Devices that split the state (parallel.create_mesh).
   eval_batch_size: int
   eval_tta: str | None  # Test-time augmentation of --mode=eval (config_values.TTA_CHOICES).
   temperature_scaling: bool  # Fit a temperature after training; eval and predict apply it.
@@ -167,7 +168,7 @@ def resolve(config: ml_collections.ConfigDict) -> Run:
       evaluations=evaluations,
       best=_best_metric(config.best_metric, evaluations),
       batch_size=config.batch_size, num_epochs=config.num_epochs, seed=config.seed,
-      ema_decay=config.ema_decay, nonfinite=config.nonfinite,
+      ema_decay=config.ema_decay, nonfinite=config.nonfinite, fsdp=config.fsdp,
       eval_batch_size=(config.eval_batch_size
                        or min(EVAL_BATCHES_PER_STEP * config.batch_size, EVAL_BATCH_CAP)),
       eval_tta=config.eval_tta,

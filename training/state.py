@@ -22,6 +22,7 @@ import preprocessing
 from training import evaluators as evaluators_lib
 from training import losses
 from training import optimizers
+from training import parallel
 
 Batch = dict[str, jax.Array]
 _MODE_ATTRIBUTES = ('deterministic', 'use_running_average')  # What train() and eval() set.
@@ -112,7 +113,8 @@ def create(model: models.ModelSpec, info: base.DatasetInfo,
            ema_decay: float = 0.0, abstract: bool = False) -> TrainState:
   """The initial training state of `model` for the data of `info`, updated by `optimization`
   along `schedule`, built as one XLA program; with `abstract`, its structure only (shapes and
-  dtypes, nothing computed), for a checkpoint to be restored into.
+  dtypes, nothing computed), for a checkpoint to be restored into. Its arrays are placed over
+  the mesh in force by `parallel.state_sharding` (replicated, or split for FSDP).
 
   Run eagerly, XLA compiles every initialiser op on its own at its full optimisation level; as
   one program, which runs once, at the lowest level, it compiles and runs several times faster.
@@ -123,10 +125,15 @@ def create(model: models.ModelSpec, info: base.DatasetInfo,
     return TrainState(built, nnx.Optimizer(built, transform, wrt=nnx.Param),
                       create_ema(ema_decay, built))
 
+  graphdef, shapes = nnx.split(nnx.eval_shape(create_state))
+  shardings = jax.tree.map(lambda leaf: _sharding(leaf.shape), shapes)
   if abstract:
-    state = _placed_like_created(nnx.eval_shape(create_state))
+    state = nnx.merge(graphdef, jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        shapes, shardings))
   else:
-    state = run_once(create_state)
+    state = nnx.merge(graphdef, run_once(jax.jit(lambda: nnx.split(create_state())[1],
+                                                 out_shardings=shardings)))
   for path, module in nnx.iter_modules(state.model):
     # A frozen BatchNorm normalises with its statistics as loaded, in training too.
     if isinstance(module, nnx.BatchNorm) and optimization.frozen('.'.join(map(str, path))):
@@ -135,20 +142,21 @@ def create(model: models.ModelSpec, info: base.DatasetInfo,
 
 
 def run_once(function: Callable, *args):
-  """`function(*args)` as one program compiled at XLA's lowest optimisation level, for a
-  program that runs once (an initialisation): optimising it would cost more than it saves."""
-  return nnx.jit(function).lower(*args).compile({'xla_backend_optimization_level': 0})(*args)
+  """`function(*args)` (an `nnx.jit` or `jax.jit` function, or a plain one) as one program
+  compiled at XLA's lowest optimisation level, for a program that runs once (an
+  initialisation): optimising it would cost more than it saves."""
+  if not hasattr(function, 'lower'):
+    function = nnx.jit(function)
+  return function.lower(*args).compile({'xla_backend_optimization_level': 0})(*args)
 
 
-def _placed_like_created(state: TrainState) -> TrainState:
-  """An abstract state whose arrays would be placed as `create` places them: replicated over
-  the mesh in force (`jax.set_mesh`), else on the default device."""
+def _sharding(shape: tuple[int, ...]) -> jax.sharding.Sharding:
+  """Where `create` places a state array of `shape`: by `parallel.state_sharding` over the mesh
+  in force (`jax.set_mesh`), else on the default device."""
   mesh = jax.sharding.get_mesh()
-  sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh.empty
-              else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-  graphdef, shapes = nnx.split(state)
-  return nnx.merge(graphdef, jax.tree.map(
-      lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), shapes))
+  if mesh.empty:
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return parallel.state_sharding(mesh, shape)
 
 
 @contextlib.contextmanager
