@@ -75,15 +75,17 @@ def train_and_evaluate(run: run_spec.Run, workdir: str) -> dict[str, float]:
     stack.callback(session.writer.close)
     steps_per_epoch = data.info.num_train_examples // run.batch_size
     schedule = run.optimization.learning_rate_schedule(steps_per_epoch)
-    # Decoding the data (TensorFlow) and compiling (XLA) each leave part of the 2 cores idle:
-    # side by side they took 6.3 s for MNIST here, one after the other 8.3 s.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as background:
+    # Three things at once, each leaving cores idle: decoding the data (TensorFlow), compiling
+    # the train and eval steps for the state's shapes (XLA), and creating the state (XLA
+    # compiles and runs its initialisers: tens of seconds for a ViT on a TPU).
+    planned = state_lib.plan(run.model, data.info, run.optimization, schedule, seed=run.seed,
+                             ema_decay=run.ema_decay)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as background:
       splits = background.submit(_open_splits, session)
-      loop = hooks.Loop(state_lib.create(run.model, data.info, run.optimization, schedule,
-                                         seed=run.seed, ema_decay=run.ema_decay),
-                        steps_per_epoch, steps_per_epoch * run.num_epochs)
-      train_step = _compile(session, loop.state,
-                            lambda: _class_counts(splits.result()[0], data.info))
+      compiling = background.submit(_compile, session, planned.abstract,
+                                    lambda: _class_counts(splits.result()[0], data.info))
+      loop = hooks.Loop(planned.build(), steps_per_epoch, steps_per_epoch * run.num_epochs)
+      train_step = compiling.result()
       train_split, eval_batches = splits.result()
     parameter_overview.log_parameter_overview(
         nnx.to_pure_dict(nnx.state(loop.state.model, nnx.Param)),
@@ -182,7 +184,8 @@ def _class_counts(train_split, info: base.DatasetInfo) -> np.ndarray:
 
 def _compile(session: Session, state: state_lib.TrainState, class_counts):
   """The train step, compiled with the eval steps for the batches to come, before they exist
-  (their first calls reuse these executables): while the data is still decoding.
+  (their first calls reuse these executables): for `state`'s shapes and shardings (an abstract
+  state will do), while the data is still decoding and the state is created.
 
   `class_counts()` gives the training examples of each class, for losses that need them."""
   logging.info('Compiling the train and eval steps.')
@@ -191,14 +194,16 @@ def _compile(session: Session, state: state_lib.TrainState, class_counts):
   train_step = state_lib.make_train_step(run.loss(info.num_classes, class_counts),
                                          run.input.preprocess, features=probe_features)
   compiled = None
-  if not probe_features:  # The step of features compiles in moments, on its first batch.
-    compiled = train_step.lower(state, parallel.abstract_batch(
-        input_pipeline.batch_layout(info, run.batch_size, train=run.input),
-        session.mesh)).compile()
-  eval_layout = parallel.abstract_batch(
-      input_pipeline.batch_layout(info, session.eval_batch_size, mask=True), session.mesh)
-  for during in _evaluations(run, during_training=True):
-    during.compile(state.eval_model(), eval_layout, info)
+  # In the mesh the training loop calls them in: a thread starts without the process's.
+  with jax.set_mesh(session.mesh):
+    if not probe_features:  # The step of features compiles in moments, on its first batch.
+      compiled = train_step.lower(state, parallel.abstract_batch(
+          input_pipeline.batch_layout(info, run.batch_size, train=run.input),
+          session.mesh)).compile()
+    eval_layout = parallel.abstract_batch(
+        input_pipeline.batch_layout(info, session.eval_batch_size, mask=True), session.mesh)
+    for during in _evaluations(run, during_training=True):
+      during.compile(state.eval_model(), eval_layout, info)
   if compiled is not None:  # Released, the compiler's freed memory adds nothing to its peak.
     runtime.release_compiler_memory(compiled)
   return train_step

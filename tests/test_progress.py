@@ -89,6 +89,7 @@ def test_the_epoch_speed_is_timed_from_the_end_of_its_first_step_not_its_dispatc
 
 
 def test_a_training_step_that_does_not_fit_names_the_batch_size():
+  @nnx.jit  # The loop calls the state's compiled step (through nnx.cached_partial).
   def train_step(state, batch):
     raise jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory allocating 6442450944 '
                                      'bytes.')

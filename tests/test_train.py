@@ -1,5 +1,8 @@
 """Train and eval steps: learning, compiling ahead, masked evaluation, optimizers, schedules."""
 
+import concurrent.futures
+import types
+
 from flax import nnx
 import jax
 import numpy as np
@@ -11,11 +14,13 @@ from data_sources import base
 from data_sources import tfds_source
 import input_pipeline
 import preprocessing
+import train
 from training import evaluation
 from training import evaluators
 from training import optimizers
 from training import parallel
 from training import run_spec
+from training import state as state_lib
 from tests.helpers.build import INFO
 from tests.helpers.build import create
 from tests.helpers.build import random_batch
@@ -84,6 +89,34 @@ def test_steps_compiled_ahead_are_reused_and_change_nothing():
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(key_data, ahead),
                jax.tree.map(key_data, plain))
   assert ahead_scalars == plain_scalars
+
+
+def test_steps_compiled_in_a_thread_for_the_planned_state_serve_the_built_state():
+  # As train.py starts: the steps compile for the state's structure in a thread while the
+  # state is built; the loop's first step must reuse that executable, not compile again.
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, duration, **kwargs: compiles.append(event)
+      if event == '/jax/core/compile/backend_compile_duration' else None)
+  config = default.get_config()
+  config.batch_size = 26  # A size no other test compiles for.
+  run = run_spec.resolve(config)
+  mesh = parallel.create_mesh()
+  session = types.SimpleNamespace(run=run, data=types.SimpleNamespace(info=INFO), mesh=mesh,
+                                  eval_batch_size=40)
+  with jax.set_mesh(mesh):
+    planned = state_lib.plan(run.model, INFO, run.optimization,
+                             run.optimization.learning_rate_schedule(100), seed=run.seed)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as thread:
+      compiling = thread.submit(train._compile, session, planned.abstract, lambda: None)
+      state = planned.build()
+      train_step = compiling.result()
+    compiles.clear()
+    batch = parallel.shard({'image': np.zeros((26, 28, 28, 1), np.uint8),
+                            'label': np.zeros(26, np.int32)}, mesh)
+    nnx.cached_partial(train_step, state)(batch)  # As hooks.run calls it.
+  assert '/jax/core/compile/backend_compile_duration' not in compiles, compiles
+  assert int(state.window.count[...]) == 26
 
 
 def test_train_step_lowers_loss_on_a_fixed_batch(tfds_data_dir):

@@ -108,13 +108,53 @@ def update_ema(ema: nnx.EMA, model: nnx.Module, step: jax.Array) -> None:
                is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def create(model: models.ModelSpec, info: base.DatasetInfo,
-           optimization: optimizers.Optimization, schedule: optax.Schedule, *, seed: int,
-           ema_decay: float = 0.0, abstract: bool = False) -> TrainState:
+class Planned:
+  """A training state traced but not yet built: its structure and placement (`abstract`: shapes,
+  dtypes and shardings, nothing computed) and the program that builds it (`build`).
+
+  Both share one structure, static parts included (the optimizer's transform), so that a step
+  compiled for `abstract` (while `build` runs, or before a checkpoint is restored into it) is
+  the step the built state calls: an executable is reused only for the same structure.
+  """
+
+  def __init__(self, create_state: Callable[[], 'TrainState'], optimization):
+    graphdefs = []
+
+    def create_arrays() -> nnx.State:
+      graphdef, arrays = nnx.split(create_state())
+      graphdefs.append(graphdef)
+      return arrays
+
+    shapes = jax.eval_shape(create_arrays)
+    self._graphdef = graphdefs[0]
+    self._optimization = optimization
+    shardings = jax.tree.map(lambda leaf: _sharding(leaf.shape), shapes)
+    self._build = jax.jit(create_arrays, out_shardings=shardings)
+    self.abstract = self._merged(jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        shapes, shardings))
+
+  def build(self) -> 'TrainState':
+    """The state itself, its arrays computed by one program and placed by `_sharding`."""
+    return self._merged(run_once(self._build))
+
+  def _merged(self, arrays: nnx.State) -> 'TrainState':
+    state = nnx.merge(self._graphdef, arrays)
+    for path, module in nnx.iter_modules(state.model):
+      # A frozen BatchNorm normalises with its statistics as loaded, in training too.
+      if (isinstance(module, nnx.BatchNorm)
+          and self._optimization.frozen('.'.join(map(str, path)))):
+        module.use_running_average = True
+    return state
+
+
+def plan(model: models.ModelSpec, info: base.DatasetInfo,
+         optimization: optimizers.Optimization, schedule: optax.Schedule, *, seed: int,
+         ema_decay: float = 0.0) -> Planned:
   """The initial training state of `model` for the data of `info`, updated by `optimization`
-  along `schedule`, built as one XLA program; with `abstract`, its structure only (shapes and
-  dtypes, nothing computed), for a checkpoint to be restored into. Its arrays are placed over
-  the mesh in force by `parallel.state_sharding` (replicated, or split for FSDP).
+  along `schedule` (`Planned`: its structure now, its arrays built by one XLA program). Its
+  arrays are placed over the mesh in force by `parallel.state_sharding` (replicated, or split
+  for FSDP).
 
   Run eagerly, XLA compiles every initialiser op on its own at its full optimisation level; as
   one program, which runs once, at the lowest level, it compiles and runs several times faster.
@@ -125,20 +165,16 @@ def create(model: models.ModelSpec, info: base.DatasetInfo,
     return TrainState(built, nnx.Optimizer(built, transform, wrt=nnx.Param),
                       create_ema(ema_decay, built))
 
-  graphdef, shapes = nnx.split(nnx.eval_shape(create_state))
-  shardings = jax.tree.map(lambda leaf: _sharding(leaf.shape), shapes)
-  if abstract:
-    state = nnx.merge(graphdef, jax.tree.map(
-        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-        shapes, shardings))
-  else:
-    state = nnx.merge(graphdef, run_once(jax.jit(lambda: nnx.split(create_state())[1],
-                                                 out_shardings=shardings)))
-  for path, module in nnx.iter_modules(state.model):
-    # A frozen BatchNorm normalises with its statistics as loaded, in training too.
-    if isinstance(module, nnx.BatchNorm) and optimization.frozen('.'.join(map(str, path))):
-      module.use_running_average = True
-  return state
+  return Planned(create_state, optimization)
+
+
+def create(model: models.ModelSpec, info: base.DatasetInfo,
+           optimization: optimizers.Optimization, schedule: optax.Schedule, *, seed: int,
+           ema_decay: float = 0.0, abstract: bool = False) -> TrainState:
+  """`plan(...)`'s state, built; with `abstract`, its structure only, for a checkpoint to be
+  restored into."""
+  planned = plan(model, info, optimization, schedule, seed=seed, ema_decay=ema_decay)
+  return planned.abstract if abstract else planned.build()
 
 
 def run_once(function: Callable, *args):
