@@ -18,6 +18,8 @@ in the same process. --json writes the step times and every operation (`harness.
 import collections
 import glob
 import os
+import re
+import shutil
 import tempfile
 
 from core import runtime  # pylint: disable=g-bad-import-order  (first: it must precede tensorflow)
@@ -48,16 +50,22 @@ flags.DEFINE_integer('repeats', 5, 'Untraced timings of --steps steps (min and m
 flags.DEFINE_list('image_shape', ['28', '28', '1'], "The batches' images: height, width, channels.")
 flags.DEFINE_integer('num_classes', 10, 'Classes of the head.', lower_bound=2)
 flags.DEFINE_string('json', None, 'Where to write the figures (optional).')
+flags.DEFINE_string('keep_trace', None, "Where to copy the trace's XPlane file (optional), for "
+                    'TensorBoard or a second look.')
 
 def events(trace_dir: str) -> dict[str, float]:
-  """{event name: total picoseconds} over the CPU threads' events of the trace."""
+  """{operation name: total picoseconds} over the trace's events: an accelerator's own planes
+  ('/device:TPU:0', ...) where it has them, else the CPU threads' events. An event is named by
+  its HLO instruction, alone or at the head of the instruction's text."""
   path, = glob.glob(os.path.join(trace_dir, '**', '*.xplane.pb'), recursive=True)
   space = xplane_pb2.XSpace()
   with open(path, 'rb') as file:
     space.ParseFromString(file.read())
+  device_planes = [plane for plane in space.planes if plane.name.startswith('/device:')]
   totals = collections.Counter()
-  for plane in space.planes:
-    names = {key: metadata.name for key, metadata in plane.event_metadata.items()}
+  for plane in device_planes or space.planes:
+    names = {key: re.match(r'%?([^ ]*)', metadata.name).group(1)
+             for key, metadata in plane.event_metadata.items()}
     for line in plane.lines:
       for event in line.events:
         totals[names.get(event.metadata_id, '')] += event.duration_ps
@@ -125,6 +133,9 @@ def main(argv):
     with jax.profiler.trace(trace_dir, profiler_options=options):
       step_ms, = ms_per_step(1)
     totals = events(trace_dir)
+    if FLAGS.keep_trace:
+      shutil.copy(*glob.glob(os.path.join(trace_dir, '**', '*.xplane.pb'), recursive=True),
+                  FLAGS.keep_trace)
   peak = harness.matmul_flops_per_sec() / 1e9
   rows = sorted(((picoseconds / 1e9 / FLAGS.steps, name, operations[name])
                  for name, picoseconds in totals.items() if name in operations), reverse=True)
@@ -146,9 +157,13 @@ def main(argv):
   print_by_function(rows, step_ms)
   matmul_ms = sum(ms for ms, _, operation in rows if operation.flops)
   matmul_flops = sum(operation.flops for _, _, operation in rows if operation.flops)
-  print(f'Matmuls: {matmul_ms:.1f} ms per step ({matmul_ms / step_ms:.0%}), '
-        f'{matmul_flops / matmul_ms / 1e6:.0f} GFLOP/s; everything else '
-        f'{step_ms - matmul_ms:.1f} ms.')
+  if matmul_ms:
+    print(f'Matmuls: {matmul_ms:.1f} ms per step ({matmul_ms / step_ms:.0%}), '
+          f'{matmul_flops / matmul_ms / 1e6:.0f} GFLOP/s; everything else '
+          f'{step_ms - matmul_ms:.1f} ms.')
+  if not rows:  # The trace names its events otherwise: its busiest names, to match them.
+    print('No traced event matched an operation of the step; the most time went to',
+          totals.most_common(10))
   if FLAGS.json:
     harness.write_json(FLAGS.json, {
         'model': config.model, 'batch_size': config.batch_size,
