@@ -1,7 +1,9 @@
 """core.runtime's malloc setting for XLA:CPU: freed blocks up to MMAP_THRESHOLD stay mapped
 for reuse, larger ones go back to the system (kept, they fragmented the one arena), and the
-freed memory kept goes back when asked (after compiling)."""
+freed memory kept goes back when asked (after compiling); JAX's compilation cache, on by
+default outside any workdir."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -12,6 +14,7 @@ import pytest
 
 from core import runtime
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _PROCESS = '''
     import ctypes, resource
@@ -80,3 +83,39 @@ def test_the_compilers_memory_is_released_before_a_large_program_only():
   assert large.memory_analysis().temp_size_in_bytes > runtime.MMAP_THRESHOLD
   assert runtime.release_compiler_memory(large)
   assert not runtime.release_compiler_memory(small)
+
+
+_COMPILE_ONE = '''
+    import sys
+    from core import runtime
+    runtime.use_compilation_cache(sys.argv[1] if len(sys.argv) > 1 else runtime.default_compilation_cache())
+    import jax
+    jax.jit(lambda x: x * 3 + 1)(2.0).block_until_ready()
+    '''
+
+
+def _compile_one(env: dict, *args: str) -> None:
+  """Compiles a program in a fresh process with `env` (only PATH beside it), main.py's cache
+  setting given `args` (its --compilation_cache) or left to its default."""
+  subprocess.run([sys.executable, '-c', textwrap.dedent(_COMPILE_ONE), *args], check=True,
+                 env={'PATH': os.environ.get('PATH', ''), 'PYTHONPATH': ROOT, 'JAX_PLATFORMS': 'cpu',
+                      'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0', **env}, cwd=ROOT)
+
+
+def test_compiled_programs_are_kept_in_the_users_cache_directory_by_default(tmp_path):
+  _compile_one({'XDG_CACHE_HOME': str(tmp_path)})
+  assert list((tmp_path / 'flax_nnx_app' / 'jax').iterdir())  # The compiled program's entry.
+
+
+def test_jax_compilation_cache_dir_names_the_default(tmp_path, monkeypatch):
+  monkeypatch.setenv('JAX_COMPILATION_CACHE_DIR', str(tmp_path / 'mine'))
+  assert runtime.default_compilation_cache() == str(tmp_path / 'mine')
+  monkeypatch.delenv('JAX_COMPILATION_CACHE_DIR')
+  monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path))
+  assert runtime.default_compilation_cache() == str(tmp_path / 'flax_nnx_app' / 'jax')
+
+
+def test_an_empty_cache_directory_turns_the_cache_off(tmp_path):
+  # Where JAX would otherwise cache (its own variable), nothing is written.
+  _compile_one({'JAX_COMPILATION_CACHE_DIR': str(tmp_path / 'cache')}, '')
+  assert not (tmp_path / 'cache').exists() or not list((tmp_path / 'cache').iterdir())
