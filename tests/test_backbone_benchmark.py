@@ -5,6 +5,8 @@ import math
 import os
 import subprocess
 import sys
+import types
+from unittest import mock
 
 import pytest
 
@@ -37,6 +39,39 @@ def test_summary_takes_medians_and_compares_with_the_fastest_pytorch_of_its_mode
   assert rows['resnet50', 'bfloat16', 'jax_auto']['vs_best_torch'] is None  # No PyTorch row.
   table = backbones.markdown_table(list(rows.values())).splitlines()
   assert len(table) == 2 + len(rows)
+
+
+def test_mfu_is_xlas_flops_per_second_over_the_peak_and_pytorch_rows_borrow_the_apps_flops():
+  jax_run = {**_run(2.0), 'flops_per_step': 4e12, 'peak_flops': 1e14, 'state_seconds': 3.0,
+             'compile_seconds': 5.0, 'devices': 1, 'platform_version': 'tpu runtime'}
+  every_round = {('vit_small_patch16_224', 'bfloat16', 'jax_off'): [jax_run],
+                 ('vit_small_patch16_224', 'bfloat16', 'big_vision'): [
+                     {**jax_run, 'flops_per_step': 3e12, 'median_step_seconds': 1.0}],
+                 ('vit_small_patch16_224', 'bfloat16', 'torch_eager'): [_run(4.0)]}
+  for runs in every_round.values():  # As run_configuration adds it to each run.
+    for run in runs:
+      run['mfu'] = backbones.mfu(run.get('flops_per_step'), run.get('peak_flops'),
+                                 run['median_step_seconds'])
+  rows = {row['configuration']: row for row in backbones.summarize(every_round)}
+  assert rows['jax_off']['mfu'] == pytest.approx(4e12 / 2.0 / 1e14)
+  assert rows['big_vision']['mfu'] == pytest.approx(3e12 / 1.0 / 1e14)
+  # PyTorch's step does the app's work: its MFU counts the app's FLOPs (4e12) at its own rate.
+  assert rows['torch_eager']['mfu'] == pytest.approx(4e12 / 4.0 / 1e14)
+  assert rows['jax_off']['state_seconds'] == 3.0 and rows['jax_off']['compile_seconds'] == 5.0
+  assert rows['torch_eager']['state_seconds'] is None
+  assert '| 2.0% |' in backbones.markdown_table(list(rows.values()))
+  assert backbones.mfu(None, 1e14, 1.0) is None and backbones.mfu(1e12, None, 1.0) is None
+
+
+def test_the_big_vision_rows_are_left_out_and_said_so_without_a_checkout(tmp_path, capsys):
+  chosen = types.SimpleNamespace(task='train', device='tpu', configurations=None,
+                                 big_vision=str(tmp_path))  # No big_vision/models/vit.py.
+  with mock.patch.object(backbones, 'FLAGS', chosen):
+    assert backbones.selected_configurations() == ['jax_off']
+    assert 'No big_vision rows' in capsys.readouterr().out
+    (tmp_path / 'big_vision' / 'models').mkdir(parents=True)
+    (tmp_path / 'big_vision' / 'models' / 'vit.py').touch()
+    assert backbones.selected_configurations() == ['jax_off', 'big_vision']
 
 
 # The whole benchmark at a toy size, one round: its toy ResNet (one basic block per stage, 8-32
