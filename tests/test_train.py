@@ -54,11 +54,17 @@ def _eval_batches(split, batch_size):
                                      batch_size)
 
 
-def test_steps_compiled_ahead_are_reused_and_change_nothing():
+def _compiles() -> list[str]:
+  """A list that gets an entry at every XLA compilation from now on in this process."""
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
       lambda event, duration, **kwargs: compiles.append(event)
       if event == '/jax/core/compile/backend_compile_duration' else None)
+  return compiles
+
+
+def test_steps_compiled_ahead_are_reused_and_change_nothing():
+  compiles = _compiles()
   mesh = parallel.create_mesh()
   rng = np.random.default_rng(1)
   split = base.Split(images=rng.integers(0, 256, (70, 28, 28, 1), dtype=np.uint8),
@@ -94,10 +100,7 @@ def test_steps_compiled_ahead_are_reused_and_change_nothing():
 def test_steps_compiled_in_a_thread_for_the_planned_state_serve_the_built_state():
   # As train.py starts: the steps compile for the state's structure in a thread while the
   # state is built; the loop's first step must reuse that executable, not compile again.
-  compiles = []
-  jax.monitoring.register_event_duration_secs_listener(
-      lambda event, duration, **kwargs: compiles.append(event)
-      if event == '/jax/core/compile/backend_compile_duration' else None)
+  compiles = _compiles()
   config = default.get_config()
   config.batch_size = 26  # A size no other test compiles for.
   run = run_spec.resolve(config)
