@@ -136,10 +136,18 @@ def _failure(path: str, repo_id: str, error: Exception, huggingface_hub) -> erro
         f'downloaded from {endpoint} ({type(error).__name__}): connect to the internet (or '
         'HF_ENDPOINT\'s server) and run again; the cache keeps it for later runs.',
         reason='no_network', **fields)
-  if isinstance(error, hub_errors.HfHubHTTPError):
+  # An HTTP error without the Hub's error code (a mirror, a proxy): told apart by its status.
+  status = error.response.status_code if isinstance(error, hub_errors.HfHubHTTPError) else None
+  if status in (401, 403, 404):  # Not there, or not for this machine: waiting changes nothing.
     return errors.DownloadError(
-        f'config.init_from={path!r}: {endpoint} answered HTTP {error.response.status_code} '
-        'while downloading it: run again later.', reason='http_error', **fields)
+        f'config.init_from={path!r}: {endpoint} answered HTTP {status}: it has no repository '
+        f'{repo_id} that this machine may read. Check the name (e.g. '
+        'hf-hub:timm/resnet18.a1_in1k), or set HF_TOKEN for a private or gated one.',
+        reason='repository_not_found', **fields)
+  if status is not None:  # The server's trouble (5xx) or a limit (429): it may pass.
+    return errors.DownloadError(
+        f'config.init_from={path!r}: {endpoint} answered HTTP {status} while downloading it: '
+        'run again later.', reason='http_error', **fields)
   if isinstance(error, OSError) and error.errno is not None:  # Disk full, no permission.
     return errors.StorageError(
         f'config.init_from={path!r} could not be saved in the Hugging Face cache '

@@ -36,12 +36,13 @@ class StandInHub:
   HEAD/GET /<repo>/resolve/<revision>/<filename> with the headers hf_hub_download reads
   (X-Repo-Commit, ETag, Content-Length and, as for LFS files, X-Linked-Etag/X-Linked-Size), and
   the Hub's error codes (X-Error-Code). Repositories in `gated` answer only the bearer of
-  `token`. With `interrupt` set, a GET sends half the file then closes the connection, and the
+  `token`; those in `statuses` answer their status alone, as a mirror or proxy may. With `interrupt` set, a GET sends half the file then closes the connection, and the
   retries it resumes with get HTTP 503: the server has gone down mid-download. `requests`
   counts (method, filename)."""
 
   def __init__(self, repos: dict[str, dict[str, bytes]], gated=(), token: str = 'hf_secret'):
     self.repos, self.gated, self.token = repos, set(gated), token
+    self.statuses = {}  # {repo id: the HTTP status it answers, without an error code}.
     self.interrupt = False
     self.requests = collections.Counter()
     self.server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), self._handler())
@@ -76,6 +77,8 @@ class StandInHub:
         repo = repo.lstrip('/')
         revision, _, filename = rest.partition('/')
         hub_server.requests[(self.command, filename)] += 1
+        if repo in hub_server.statuses:  # A mirror's or proxy's answer: no Hub error code.
+          return self._error(hub_server.statuses[repo], None)
         if repo not in hub_server.repos:
           return self._error(404, 'RepoNotFound')
         if revision not in ('main', hub_server.commit(repo)):
@@ -236,15 +239,27 @@ def test_what_the_hub_lacks_is_one_line(served, name, reason):
   assert not any(method == 'GET' for method, _ in served.requests)
 
 
+@pytest.mark.parametrize('status,reason', [(404, 'repository_not_found'),
+                                           (401, 'repository_not_found'),
+                                           (500, 'http_error')])
+def test_a_bare_http_status_is_told_apart_by_its_cause(served, status, reason, retry_waits):
+  """Without the Hub's error code, a missing or closed repository (4xx) is a name to fix, not a
+  moment to wait; a server's failure (5xx) is."""
+  served.statuses['stand-in/behind-a-proxy'] = status
+  _refused('hf-hub:stand-in/behind-a-proxy', reason)
+  assert bool(retry_waits) == (status >= 500)  # Retried before the line, as for any user.
+
+
 def test_a_gated_repository_opens_with_hf_token(served, model, from_file, monkeypatch):
   monkeypatch.setenv('HF_TOKEN', served.token)
   _assert_equal(_load(model, 'hf-hub:stand-in/gated'), from_file)
 
 
-@pytest.mark.slow
-def test_no_network_is_one_line(served, monkeypatch):
-  """huggingface_hub retries a refused connection 5 times over ~24 s, as for any user: here
-  its waits are recorded instead of slept (each retry is still made)."""
+@pytest.fixture(name='retry_waits')
+def fixture_retry_waits(monkeypatch) -> list[float]:
+  """huggingface_hub retries a refused connection or a server error 5 times over ~24 s, as for
+  any user: here its waits are recorded in this list instead of slept (each retry is still
+  made)."""
   from huggingface_hub.utils import _http  # pylint: disable=g-import-not-at-top
   waits = []
 
@@ -258,9 +273,14 @@ def test_no_network_is_one_line(served, monkeypatch):
       waits.append(seconds)
 
   monkeypatch.setattr(_http, 'time', Clock())
+  return waits
+
+
+@pytest.mark.slow
+def test_no_network_is_one_line(served, retry_waits):
   served.stop()
   _refused(f'hf-hub:{REPO}', 'no_network')
-  assert waits  # It retried before giving up.
+  assert retry_waits  # It retried before giving up.
 
 
 def test_an_interrupted_download_leaves_no_broken_entry(served, model, from_file):
