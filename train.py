@@ -267,7 +267,7 @@ def _resume(session: Session, loop: hooks.Loop, run_hooks: hooks.Hooks) -> None:
   checkpoints.warn_if_disk_low(loop.state)
   restored = checkpoints.restore_newest(loop.state, move_aside=True)
   if restored is None and run.init_from:
-    init_from.load(run, loop.state)
+    init_from.load(run, loop.state, session.data.info)
   if restored is None:
     logging.info('No checkpoint in %s: training from scratch.', checkpoints.directory)
     loggers.write_config(session.writer, session.workdir, run.settings, run.hparam_metrics())

@@ -122,6 +122,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Path patterns (regular expressions) of parameters that start fresh even where init_from has
   # them, e.g. ('linear2',) for a new head when the classes differ but not their number.
   config.init_exclude = ()
+  # A workdir of init_from trained on other class names (as many) loads all but its head, which
+  # starts fresh; True keeps its head too.
+  config.init_keep_head = False
   # Parameters whose path ('conv1.kernel', 'batch_norm1.scale', ...) matches one of these
   # regular expressions are not trained; a matching BatchNorm keeps its statistics as loaded.
   config.freeze = ()

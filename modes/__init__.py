@@ -43,7 +43,7 @@ def load_model(run: run_spec.Run, workdir: str, info: base.DatasetInfo,
     if imported:
       logging.info('No checkpoint in %s: the model of config.init_from=%r.',
                    checkpoints.directory, run.init_from)
-      init_from.load(run, state)
+      init_from.load(run, state, info)
       step = 0
     else:
       step = checkpoints.restore(state, checkpoint)

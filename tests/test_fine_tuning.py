@@ -77,6 +77,37 @@ def test_init_from_loads_matching_weights_and_reinitialises_a_new_head(tmp_path)
   assert error.value.key == 'init_from'
 
 
+@pytest.mark.parametrize('class_names,keep_head,head_loaded', [
+    (('left', 'right'), False, False),  # Other classes: the head starts fresh.
+    (('left', 'right'), True, True),  # ... unless config.init_keep_head.
+    (('horizontal', 'vertical'), False, True)])  # The source's own classes: loaded.
+def test_a_head_trained_on_other_class_names_starts_fresh(tmp_path_factory, class_names,
+                                                         keep_head, head_loaded):
+  source_dir = tmp_path_factory.getbasetemp() / 'stripes_source'
+  if not source_dir.exists():  # One source run for the three cases.
+    source = stripes_config()  # Two classes: 'horizontal' and 'vertical'.
+    source.update(model='cnn', loss='cross_entropy', optimizer='sgd', preprocess='',
+                  num_epochs=1, evaluators='loss|accuracy', best_metric='eval/accuracy')
+    source.model_options.cnn.update(conv1_features=4, conv2_features=8, hidden_features=16)
+    train.train_and_evaluate(run_spec.resolve(source), str(source_dir))
+  saved = checkpointing.read_state(checkpointing.checkpoint_path(str(source_dir)))
+  target = default.get_config()
+  target.model_options.cnn.update(conv1_features=4, conv2_features=8, hidden_features=16)
+  target.update(init_from=str(source_dir), init_keep_head=keep_head)
+  info = dataclasses.replace(INFO, image_shape=(8, 8, 1), num_classes=2,
+                             class_names=class_names)
+  state = build.create_state(target, info, 10)
+  initial = _weights(state.model)
+  init_from.load(run_spec.resolve(target), state, info)
+  now = _weights(state.model)
+  np.testing.assert_array_equal(now['conv1.kernel'], saved['model.conv1.kernel'])
+  np.testing.assert_array_equal(now['linear1.kernel'], saved['model.linear1.kernel'])
+  for name in ('linear2.kernel', 'linear2.bias'):
+    expected = saved[f'model.{name}'] if head_loaded else initial[name]
+    np.testing.assert_array_equal(now[name], expected)
+  assert not np.array_equal(saved['model.linear2.kernel'], initial['linear2.kernel'])
+
+
 def test_frozen_parameters_and_batch_norm_statistics_do_not_move():
   state, train_step = create(freeze=('conv1', 'batch_norm1'), lr_multipliers={'linear2': 10.0})
   before = _weights(state.model)

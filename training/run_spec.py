@@ -94,6 +94,7 @@ class Run:
   early_stopping_min_delta: float
   init_from: str | None
   init_exclude: tuple[str, ...]
+  init_keep_head: bool  # Keep the head of an init_from run trained on other class names.
   # A linear probe's cached views (feature_cache.compute; 0: as eval prepares the images), or
   # None: the whole model runs at every step.
   probe_views: int | None
@@ -181,6 +182,7 @@ def resolve(config: ml_collections.ConfigDict) -> Run:
       early_stopping_patience=config.early_stopping_patience,
       early_stopping_min_delta=config.early_stopping_min_delta,
       init_from=_checked_init_from(config.init_from), init_exclude=tuple(config.init_exclude),
+      init_keep_head=config.init_keep_head,
       probe_views=_probe_views(config, preprocess),
       loggers=loggers.check(config.loggers))
 
