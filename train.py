@@ -63,6 +63,8 @@ def train_and_evaluate(run: run_spec.Run, workdir: str) -> dict[str, float]:
                                  has_checkpoint=bool(checkpoints.all_steps()))
     if (done := _finished(run, workdir, checkpoints)) is not None:
       return done
+    if not checkpoints.all_steps():  # A resumed run starts from its own checkpoints.
+      init_from.fetch(run)
     mesh = parallel.create_mesh(run.fsdp)
     jax.set_mesh(mesh)  # The state is created over the mesh: replicated, or split (FSDP).
     data = input_pipeline.open_data(run.input, run.eval_splits())

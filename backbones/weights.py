@@ -195,18 +195,23 @@ def _convert(state_dict: dict[str, np.ndarray], key_map: tuple[Rule, ...],
   return converted, unexpected
 
 
+def fetch(path: str) -> str:
+  """The local file of the weights that `path` names (see `load_pretrained`): the file itself,
+  or a download's, from its cache when it is there."""
+  if hub.is_hub_name(path):
+    return hub.download(path)
+  if torch_hub.is_download_name(path):
+    reader = _reader(torch_hub.url(path))
+    return torch_hub.download(path, check=lambda downloaded: reader(downloaded, path))
+  if os.path.isfile(path):
+    return path
+  raise errors.ConfigError(f'config.init_from={path!r}: no such file.',
+                           key='init_from', value=path)
+
+
 def read_state_dict(path: str) -> dict[str, np.ndarray]:
   """{torch key: float32 array} of the state_dict that `path` names (see `load_pretrained`)."""
-  if hub.is_hub_name(path):
-    file = hub.download(path)
-  elif torch_hub.is_download_name(path):
-    reader = _reader(torch_hub.url(path))
-    file = torch_hub.download(path, check=lambda downloaded: reader(downloaded, path))
-  elif os.path.isfile(path):
-    file = path
-  else:
-    raise errors.ConfigError(f'config.init_from={path!r}: no such file.',
-                             key='init_from', value=path)
+  file = fetch(path)
   return {key: array.astype(np.float32, copy=False)
           for key, array in _reader(file)(file, path).items()
           if np.issubdtype(array.dtype, np.floating)}

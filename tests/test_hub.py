@@ -25,6 +25,7 @@ from core import errors
 from data_sources import generated
 from tests.helpers.build import create_backbone
 from tests.helpers.optional import requires_extras
+import train
 from training import run_spec
 
 REPO = 'stand-in/resnet18.seeded'
@@ -306,6 +307,17 @@ def test_a_malformed_name_is_refused_by_the_config_check(tmp_path):
     with pytest.raises(errors.ConfigError) as raised:
       run_spec.resolve(config)
     assert (raised.value.key, raised.value.value) == ('init_from', name)
+
+
+def test_a_name_the_hub_lacks_is_said_before_the_data_is_read(served, tmp_path):
+  """Training downloads the weights first: the dataset folder does not exist, yet the error is
+  the download's (reading the data first would have named the folder)."""
+  config = default.get_config()
+  config.update(dict(data_source='folder', dataset=str(tmp_path / 'none'), model='resnet18',
+                     init_from='hf-hub:stand-in/missing'))
+  with pytest.raises(errors.DownloadError) as raised:
+    train.train_and_evaluate(run_spec.resolve(config), str(tmp_path / 'workdir'))
+  assert (raised.value.key, raised.value.reason) == ('init_from', 'repository_not_found')
 
 
 def _predict(root: str, inputs: str, init_from: str, workdir: str, env: dict[str, str]):

@@ -47,6 +47,14 @@ def load(run: run_spec.Run, state: state_lib.TrainState, info: base.DatasetInfo)
                  is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def fetch(run: run_spec.Run) -> None:
+  """Downloads run.init_from's pretrained weights into their cache, if it names some that are
+  not there yet: a name the Hub lacks or a missing network is then said before the data is
+  read (indexing a photo folder can take seconds), not after."""
+  if run.init_from and weights.is_pretrained_path(run.init_from):
+    weights.fetch(run.init_from)
+
+
 def _head_to_renew(run: run_spec.Run, info: base.DatasetInfo) -> tuple[str, ...]:
   """Patterns of the head's parameters when run.init_from is a workdir trained on as many
   classes as `info` has, but named otherwise (digits 0-4, then 5-9): its head maps features to
