@@ -18,6 +18,7 @@ declare their `models.LayerGroups`, through `optax.multi_transform`), skipping n
 
 from collections.abc import Callable, Iterable
 import dataclasses
+import functools
 import inspect
 import re
 
@@ -128,6 +129,13 @@ def path_name(path) -> str:
   return jax.tree_util.keystr(path, simple=True, separator='.').removesuffix('.value')
 
 
+@functools.cache
+def _compiled(schedule: optax.Schedule) -> Callable[[int], jax.Array]:
+  """`schedule` as one compiled program: evaluated op by op, an optax schedule runs (and first
+  compiles) a program for each of its dozen operations, each a round trip to the device."""
+  return jax.jit(schedule)
+
+
 @dataclasses.dataclass(frozen=True)
 class Optimization:
   """How a run updates its parameters: the optimizer and the learning-rate schedule (each a
@@ -162,7 +170,7 @@ class Optimization:
 
   def learning_rate_at(self, schedule: optax.Schedule, step: int) -> float:
     """The learning rate of training step `step` (1-based)."""
-    return float(schedule((step - 1) // self.grad_accum_steps))
+    return float(_compiled(schedule)((step - 1) // self.grad_accum_steps))
 
   def frozen(self, name: str) -> bool:
     """Whether the parameter or module at path `name` matches a `freeze` pattern."""

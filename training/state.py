@@ -308,10 +308,17 @@ def recompute_batch_statistics(model: nnx.Module, batches) -> None:
     return  # Every BatchNorm frozen: each keeps its statistics, no pass over `batches`.
   statistics = [_batch_statistics(probe, batch['image']) for batch in batches]
   if statistics:
-    mean = jax.tree.map(lambda *values: sum(values) / len(values), *statistics)
+    mean = _mean(statistics)
     # A frozen BatchNorm's statistics are left out, not written back as the mean of their
     # copies: that mean rounds them (the last bit of a quarter of them over 5 batches).
     nnx.update(model, mean.filter(lambda path, _: path[:-1] in trained))
+
+
+@jax.jit
+def _mean(trees: list) -> object:
+  """The mean of `trees` (of one structure), leaf by leaf, as one program (op by op, each sum
+  and division would compile and run its own)."""
+  return jax.tree.map(lambda *values: sum(values) / len(values), *trees)
 
 
 def has_batch_norm(model: nnx.Module) -> bool:
