@@ -63,8 +63,8 @@ def train_and_evaluate(run: run_spec.Run, workdir: str) -> dict[str, float]:
                                  has_checkpoint=bool(checkpoints.all_steps()))
     if (done := _finished(run, workdir, checkpoints)) is not None:
       return done
-    if not checkpoints.all_steps():  # A resumed run starts from its own checkpoints.
-      init_from.fetch(run)
+    if run.init_from and not checkpoints.all_steps():  # A resumed run needs its own alone.
+      run.init_from.check()  # Downloads now: before the data is read.
     mesh = parallel.create_mesh(run.fsdp)
     jax.set_mesh(mesh)  # The state is created over the mesh: replicated, or split (FSDP).
     data = input_pipeline.open_data(run.input, run.eval_splits())
@@ -269,7 +269,7 @@ def _resume(session: Session, loop: hooks.Loop, run_hooks: hooks.Hooks) -> None:
   checkpoints.warn_if_disk_low(loop.state)
   restored = checkpoints.restore_newest(loop.state, move_aside=True)
   if restored is None and run.init_from:
-    init_from.load(run, loop.state, session.data.info)
+    init_from.load(run.init_from, loop.state, run.model, session.data.info)
   if restored is None:
     logging.info('No checkpoint in %s: training from scratch.', checkpoints.directory)
     loggers.write_config(session.writer, session.workdir, run.settings, run.hparam_metrics())

@@ -1,13 +1,15 @@
 """Pretrained weights by name from the Hugging Face Hub, downloaded on first use as timm does.
 
 `hf-hub:<org>/<name>[@<revision>]`, or the short form `timm/<name>`, names a repository of the
-Hub; its weights file (`HUB_FILES`, in that order) is fetched with huggingface_hub's
+Hub (`training/init_from.py` tells the forms apart); its weights file (`HUB_FILES`, in that
+order) and its `config.json` (how the weights were trained) are fetched with huggingface_hub's
 `hf_hub_download` into the Hugging Face cache (HF_HOME, HF_HUB_CACHE) with its progress bar, and
 later runs reuse the cached file. HF_TOKEN opens gated or private repositories, HF_HUB_OFFLINE=1
 reads the cache only, HF_ENDPOINT names another Hub. Each failure is one `errors.DownloadError`,
 told apart by huggingface_hub's exception types. huggingface_hub is imported only when needed.
 """
 
+import json
 import os
 import sys
 
@@ -20,23 +22,18 @@ TIMM_PREFIX = 'timm/'
 FILE_SUFFIXES = ('.safetensors', '.pth', '.pt', '.bin')
 # The files a timm repository on the Hub may hold, in the order they are preferred.
 HUB_FILES = ('model.safetensors', 'pytorch_model.bin')
+# timm's description of the repository's model: its `pretrained_cfg` says how the weights were
+# trained (timm's `load_model_config_from_hf` reads the same file).
+CONFIG_FILE = 'config.json'
+_PREPROCESSING_KEYS = frozenset({'input_size', 'crop_pct', 'interpolation', 'mean', 'std'})
 # The values of HF_HUB_OFFLINE that huggingface_hub takes for true.
 _TRUE = ('1', 'ON', 'YES', 'TRUE')
 
 
-def is_hub_name(path: str) -> bool:
-  """Whether `config.init_from` names a Hub repository: `hf-hub:<repo>`, or `timm/<name>` (one
-  slash, no weights suffix) where no such file or directory exists. A local path wins, so a
-  workdir that happens to be called `timm/<name>` still means that workdir."""
-  if path.startswith(HUB_PREFIX):
-    return True
-  return (path.startswith(TIMM_PREFIX) and path.count('/') == 1 and len(path) > len(TIMM_PREFIX)
-          and not path.lower().endswith(FILE_SUFFIXES) and not os.path.exists(path))
-
-
 def parse(path: str) -> tuple[str, str | None]:
-  """The repository id and revision (None: the default branch) that the Hub name `path` names
-  (`is_hub_name`); a `ConfigError` (key 'init_from') if the id is not a valid one."""
+  """The repository id and revision (None: the default branch) that the Hub name `path`
+  (`hf-hub:<org>/<name>[@<revision>]`, or `timm/<name>`) names; a `ConfigError` (key
+  'init_from') if the id is not a valid one."""
   repo_id, at, revision = path.removeprefix(HUB_PREFIX).partition('@')
   huggingface_hub = _require(path)
   problem = None
@@ -57,39 +54,68 @@ def parse(path: str) -> tuple[str, str | None]:
   return repo_id, revision or None
 
 
-def download(path: str) -> str:
-  """The local file of the weights that the Hub name `path` names: from the cache, else
-  downloaded into it (a no-op without network when cached). A `DownloadError` (key 'init_from')
-  saying why there is none: no network, no such repository, revision or file, a gated
-  repository without a token, offline and not cached."""
-  huggingface_hub = _require(path)
-  repo_id, revision = parse(path)
-  offline = (os.environ.get('HF_HUB_OFFLINE', '').upper() in _TRUE
-             or huggingface_hub.constants.is_offline_mode())
-  cache_dir = cache_directory()
+def download(path: str, repo_id: str, revision: str | None) -> str:
+  """The local file of the weights in the Hub repository `repo_id` at `revision` (what
+  config.init_from=`path` names): from the cache, else downloaded into it (a no-op without
+  network when cached). A `DownloadError` (key 'init_from') saying why there is none: no
+  network, no such repository, revision or file, a gated repository without a token, offline
+  and not cached."""
   for filename in HUB_FILES:
-    try:
-      return huggingface_hub.hf_hub_download(
-          repo_id, filename, revision=revision, cache_dir=cache_dir,
-          endpoint=os.environ.get('HF_ENDPOINT'), local_files_only=offline)
-    except huggingface_hub.errors.LocalEntryNotFoundError as error:
-      # Raised for every HEAD that failed with nothing cached; the HEAD's error is its cause.
-      if offline or isinstance(error.__cause__, huggingface_hub.errors.EntryNotFoundError):
-        continue  # This file is not there (or not cached offline): try the next one.
-      raise _failure(path, repo_id, error.__cause__ or error, huggingface_hub) from None
-    except huggingface_hub.errors.EntryNotFoundError:
-      continue
-    except Exception as error:  # pylint: disable=broad-except  (told apart by type in _failure)
-      raise _failure(path, repo_id, error, huggingface_hub) from None
-  if offline:
+    if (file := _fetch(path, repo_id, revision, filename)) is not None:
+      return file
+  if _offline():
     raise errors.DownloadError(
-        f'config.init_from={path!r} is not in the Hugging Face cache {cache_dir} and '
+        f'config.init_from={path!r} is not in the Hugging Face cache {cache_directory()} and '
         'HF_HUB_OFFLINE=1 forbids downloading it: unset HF_HUB_OFFLINE, or point HF_HOME at a '
         'cache that holds it.', key='init_from', value=path, reason='offline_not_cached')
   raise errors.DownloadError(
       f'config.init_from={path!r}: the Hub repository {repo_id} holds none of '
       f'{", ".join(HUB_FILES)}: name a repository with PyTorch weights (timm\'s).',
       key='init_from', value=path, reason='file_not_found')
+
+
+def pretrained_cfg(path: str, repo_id: str, revision: str | None) -> dict | None:
+  """The `pretrained_cfg` of the repository's `config.json` (timm's: input_size, crop_pct,
+  interpolation, mean, std: how its weights were trained), as timm reads it; None when the
+  repository has no config.json, or one without it (offline: none in the cache)."""
+  if (file := _fetch(path, repo_id, revision, CONFIG_FILE)) is None:
+    return None
+  try:
+    with open(file, encoding='utf-8') as opened:
+      config = json.load(opened)
+  except ValueError as error:
+    raise errors.ConfigError(
+        f'config.init_from={path!r}: the Hub repository {repo_id}\'s {CONFIG_FILE} is not '
+        f'JSON ({error}): set config.preprocess to the preprocessing its weights expect.',
+        key='init_from', value=path) from None
+  cfg = config.get('pretrained_cfg') if isinstance(config, dict) else None
+  return cfg if isinstance(cfg, dict) and _PREPROCESSING_KEYS <= cfg.keys() else None
+
+
+def _fetch(path: str, repo_id: str, revision: str | None, filename: str) -> str | None:
+  """The local file of `filename` in the repository (cached, else downloaded); None if the
+  repository has no such file, or (offline) the cache does not hold it. A `DownloadError` for
+  any other failure (`_failure`)."""
+  huggingface_hub = _require(path)
+  offline = _offline()
+  try:
+    return huggingface_hub.hf_hub_download(
+        repo_id, filename, revision=revision, cache_dir=cache_directory(),
+        endpoint=os.environ.get('HF_ENDPOINT'), local_files_only=offline)
+  except huggingface_hub.errors.LocalEntryNotFoundError as error:
+    # Raised for every HEAD that failed with nothing cached; the HEAD's error is its cause.
+    if offline or isinstance(error.__cause__, huggingface_hub.errors.EntryNotFoundError):
+      return None
+    raise _failure(path, repo_id, error.__cause__ or error, huggingface_hub) from None
+  except huggingface_hub.errors.EntryNotFoundError:
+    return None
+  except Exception as error:  # pylint: disable=broad-except  (told apart by type in _failure)
+    raise _failure(path, repo_id, error, huggingface_hub) from None
+
+
+def _offline() -> bool:
+  return (os.environ.get('HF_HUB_OFFLINE', '').upper() in _TRUE
+          or _require('hf-hub:').constants.is_offline_mode())
 
 
 def cache_directory() -> str:

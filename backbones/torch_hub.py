@@ -31,11 +31,6 @@ URL_PREFIXES = ('https://', 'http://')
 TORCHVISION_PREFIX = 'torchvision:'
 
 
-def is_download_name(path: str) -> bool:
-  """Whether `config.init_from` is a URL or a torchvision weights name."""
-  return path.startswith(URL_PREFIXES) or path.startswith(TORCHVISION_PREFIX)
-
-
 def _torchvision_weights(path: str):
   """torchvision's weights enum member that the name `path` names; a `ConfigError` (key
   'init_from') if torchvision does not know it."""
@@ -53,7 +48,7 @@ def _torchvision_weights(path: str):
 
 
 def url(path: str) -> str:
-  """The URL that `path` (`is_download_name`) names; a `ConfigError` (key 'init_from') for a
+  """The URL that `path` (a URL, or `torchvision:<Weights enum>.<member>`) names; a `ConfigError` (key 'init_from') for a
   torchvision name torchvision does not know, or a URL that names no weights file."""
   address = _torchvision_weights(path).url if path.startswith(TORCHVISION_PREFIX) else path
   if not _filename(address).lower().endswith(hub.FILE_SUFFIXES):

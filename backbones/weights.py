@@ -1,19 +1,17 @@
 """Pretrained weights from PyTorch: timm's and torchvision's state_dicts into the backbones.
 
-A state_dict comes from a `.safetensors` file, a `.pth`/`.pt`/`.bin` file (read with torch's
-`weights_only` unpickler, which runs no code) or the Hugging Face Hub by name
-(`hf-hub:timm/resnet50.a1_in1k` or `timm/resnet50.a1_in1k`, downloaded on first use and cached:
-`backbones/hub.py`), or a URL or torchvision weights name
-(`torchvision:ResNet50_Weights.IMAGENET1K_V2`, downloaded into torch.hub's cache:
-`backbones/torch_hub.py`). Each backbone family declares its key map as data, next to
-its model: rules (regex on the torch key, this model's variable path, transform name), built
-with `conv_rules`, `norm_rules` and `linear_rules` below, and registered with the model
-(`@MODELS.register(name, key_map=...)`). The transforms are the layout changes between torch and
-flax (`TRANSFORMS`). torch, safetensors and huggingface_hub are imported only when needed.
+A state_dict comes from a `.safetensors` file or a `.pth`/`.pt`/`.bin` file (read with torch's
+`weights_only` unpickler, which runs no code), local or downloaded first (the Hub by name:
+`backbones/hub.py`; a URL or torchvision weights name: `backbones/torch_hub.py`;
+`training/init_from.py` tells config.init_from's forms apart). Each backbone family declares
+its key map as data, next to its model: rules (regex on the torch key, this model's variable
+path, transform name), built with `conv_rules`, `norm_rules` and `linear_rules` below, and
+registered with the model (`@MODELS.register(name, key_map=...)`). The transforms are the layout
+changes between torch and flax (`TRANSFORMS`). torch and safetensors are imported only when
+needed.
 """
 
 from collections.abc import Callable
-import os
 import pickle
 import re
 
@@ -22,8 +20,6 @@ from flax import nnx
 import jax
 import numpy as np
 
-from backbones import hub
-from backbones import torch_hub
 from core import errors
 
 # (regex matching a whole torch key, template of the model's variable path, or None for keys
@@ -87,35 +83,27 @@ TRANSFORMS: dict[str, Callable[[np.ndarray, nnx.Variable], np.ndarray]] = {
 }
 
 
-def is_pretrained_path(path: str) -> bool:
-  """Whether `config.init_from` names PyTorch weights for `load_pretrained` (by its form: a
-  `.safetensors`, `.pth`, `.pt` or `.bin` file, or a Hub name: `hub.is_hub_name`), rather than a
-  workdir or checkpoint of this app. Existence is `load_pretrained`'s to check, which says what
-  is wrong."""
-  return (hub.is_hub_name(path) or torch_hub.is_download_name(path)
-          or path.lower().endswith(hub.FILE_SUFFIXES))
-
-
-def load_pretrained(model: nnx.Module, model_name: str, path: str,
-                    exclude: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
-  """Loads the PyTorch state_dict at `path` (see `is_pretrained_path`) into `model`, the
-  backbone registered as `model_name`, but the variables matching a regex of `exclude`.
+def load_pretrained(model: nnx.Module, model_name: str, file: str,
+                    exclude: tuple[str, ...] = (), path: str | None = None
+                    ) -> tuple[list[str], list[str]]:
+  """Loads the PyTorch state_dict in the local `file` into `model`, the backbone registered as
+  `model_name`, but the variables matching a regex of `exclude`; errors name `path`, the
+  config.init_from that gave the file (default: `file`).
 
   Arrays whose shape differs from the model's (a head for another number of classes) are left
   as initialised, and so is the head of weights that have none (timm's `num_classes=0`).
   Returns the names of the variables loaded and of the others, each with the reason. A
-  `ConfigError` (key 'init_from') for a file that is missing, unreadable, holds pickled code,
-  or does not fit the architecture; a `DownloadError` (a `ConfigError`) for weights that
-  cannot be had (`hub.download`, `torch_hub.download`); a `MissingPackage` for a missing
-  reader.
+  `ConfigError` (key 'init_from') for a file that is unreadable, holds pickled code, or does
+  not fit the architecture; a `MissingPackage` for a missing reader.
   """
   import models  # pylint: disable=g-import-not-at-top  (models imports this package)
+  path = path or file
   key_map = models.MODELS.capability(model_name, 'key_map')
   if key_map is None:
     raise errors.ConfigError(
         f'config.init_from={path!r} holds PyTorch weights, which load only into the pretrained '
         f'backbones, not model {model_name!r}.', key='init_from', value=path)
-  state_dict = read_state_dict(path)
+  state_dict = read_state_dict(file, path)
   variables = dict(model_variables(model))
   converted, unexpected = _convert(state_dict, key_map, variables)
   # Headless weights (timm's num_classes=0: DINOv2's, SigLIP's) leave the model's whole head
@@ -195,25 +183,13 @@ def _convert(state_dict: dict[str, np.ndarray], key_map: tuple[Rule, ...],
   return converted, unexpected
 
 
-def fetch(path: str) -> str:
-  """The local file of the weights that `path` names (see `load_pretrained`): the file itself,
-  or a download's, from its cache when it is there."""
-  if hub.is_hub_name(path):
-    return hub.download(path)
-  if torch_hub.is_download_name(path):
-    reader = _reader(torch_hub.url(path))
-    return torch_hub.download(path, check=lambda downloaded: reader(downloaded, path))
-  if os.path.isfile(path):
-    return path
-  raise errors.ConfigError(f'config.init_from={path!r}: no such file.',
-                           key='init_from', value=path)
-
-
-def read_state_dict(path: str) -> dict[str, np.ndarray]:
-  """{torch key: float32 array} of the state_dict that `path` names (see `load_pretrained`)."""
-  file = fetch(path)
+def read_state_dict(file: str, path: str | None = None,
+                    named: str | None = None) -> dict[str, np.ndarray]:
+  """{torch key: float32 array} of the state_dict in the local `file`, a `.safetensors` file or
+  else a torch pickle by its name, or by `named` (the URL of a download's temporary file);
+  errors name `path`, the config.init_from that gave it (default: `file`)."""
   return {key: array.astype(np.float32, copy=False)
-          for key, array in _reader(file)(file, path).items()
+          for key, array in _reader(named or file)(file, path or file).items()
           if np.issubdtype(array.dtype, np.floating)}
 
 

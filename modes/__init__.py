@@ -42,8 +42,8 @@ def load_model(run: run_spec.Run, workdir: str, info: base.DatasetInfo,
   with contextlib.closing(checkpoints):
     if imported:
       logging.info('No checkpoint in %s: the model of config.init_from=%r.',
-                   checkpoints.directory, run.init_from)
-      init_from.load(run, state, info)
+                   checkpoints.directory, run.init_from.path)
+      init_from.load(run.init_from, state, run.model, info)
       step = 0
     else:
       step = checkpoints.restore(state, checkpoint)

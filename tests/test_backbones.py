@@ -15,10 +15,12 @@ from backbones import common
 from backbones import weights
 from tests.helpers import timm_models as timm_helpers
 from tests.helpers.build import create_backbone
+from tests.helpers.build import load_weights
 from tests.helpers.optional import requires_extras
 from core import errors
 import kernels
 import models
+from training import init_from
 from training import state as state_lib
 
 NUM_CLASSES = timm_helpers.NUM_CLASSES
@@ -149,7 +151,7 @@ def _assert_refused(model: nnx.Module, model_name: str, path: str) -> None:
   weights_only = nnx.Any(nnx.Param, nnx.BatchStat)
   before = jax.tree.map(np.asarray, nnx.state(model, weights_only))
   with pytest.raises(errors.ConfigError) as raised:
-    weights.load_pretrained(model, model_name, path)
+    load_weights(model, model_name, path)
   assert raised.value.key == 'init_from' and raised.value.value == path
   assert '\n' not in str(raised.value)
   jax.tree.map(np.testing.assert_array_equal, nnx.state(model, weights_only), before)
@@ -236,7 +238,7 @@ def test_hub_name_loads_from_the_local_cache_only(small_resnet18, resnet18_file,
   snapshot = _hub_snapshot(tmp_path, 'timm/resnet18.a1_in1k')
   with open(resnet18_file, 'rb') as file:
     (snapshot / 'model.safetensors').write_bytes(file.read())
-  assert weights.load_pretrained(small_resnet18, 'resnet18', name)[1] == []
+  assert load_weights(small_resnet18, 'resnet18', name)[1] == []
 
 
 def test_missing_reader_is_a_missing_package(small_resnet18, resnet18_file, monkeypatch):
@@ -254,12 +256,28 @@ def test_model_without_pretrained_weights_is_refused():
   assert raised.value.key == 'init_from'
 
 
-@pytest.mark.parametrize('path,expected', [
-    ('w/resnet50.safetensors', True), ('resnet50.PTH', True), ('a.pt', True),
-    ('pytorch_model.bin', True), ('hf-hub:timm/resnet50.a1_in1k', True), ('runs/mnist', False),
-    ('runs/mnist/checkpoints/100', False)])
-def test_is_pretrained_path(path, expected):
-  assert weights.is_pretrained_path(path) == expected
+@pytest.mark.parametrize('path,kind', [
+    ('w/resnet50.safetensors', init_from.FileWeights), ('resnet50.PTH', init_from.FileWeights),
+    ('a.pt', init_from.FileWeights), ('pytorch_model.bin', init_from.FileWeights),
+    ('hf-hub:timm/resnet50.a1_in1k', init_from.HubWeights),
+    ('timm/resnet50.a1_in1k', init_from.HubWeights),
+    ('https://example.com/w/resnet50.pth', init_from.UrlWeights),
+    ('runs/mnist', init_from.AppCheckpoint),
+    ('runs/mnist/checkpoints/100', init_from.AppCheckpoint)])
+def test_init_from_is_read_once_into_its_kind_of_source(path, kind, tmp_path, monkeypatch):
+  """Each form of config.init_from is one kind of source, checked for its form alone."""
+  if kind is init_from.HubWeights:
+    requires_extras('huggingface_hub')
+  monkeypatch.chdir(tmp_path)
+  os.makedirs('runs/mnist/checkpoints/100/state')
+  for name in ('w/resnet50.safetensors', 'resnet50.PTH', 'a.pt', 'pytorch_model.bin'):
+    os.makedirs(os.path.dirname(name) or '.', exist_ok=True)
+    open(name, 'wb').close()
+  source = init_from.parse(path)
+  assert type(source) is kind and source.path == path  # pylint: disable=unidiomatic-typecheck
+  with pytest.raises(errors.ConfigError) as raised:  # A path that holds nothing of either.
+    init_from.parse('runs/none')
+  assert (raised.value.key, raised.value.value) == ('init_from', 'runs/none')
 
 
 @pytest.mark.parametrize('name', BACKBONES)

@@ -253,7 +253,12 @@ def test_what_is_known_after_a_save_is_recorded_beside_the_checkpoint_not_in_it(
   # The newest (max_to_keep=1) and the best; the records of the steps kept.
   assert checkpoints.all_steps() == [10, 30]
   with open(os.path.join(checkpoints.directory, checkpointing.RECORD_FILE)) as file:
-    assert json.load(file)['10']['metrics'] == {'eval/accuracy': 0.9}
+    record = json.load(file)
+  assert record['steps']['10']['metrics'] == {'eval/accuracy': 0.9}
+  assert record['best_step'] == 10
+  # Another run's init_from takes the best by the record alone, not the newest.
+  assert checkpointing.checkpoint_path(str(tmp_path)) == os.path.join(
+      checkpoints.directory, '10', 'state')
   reopened = checkpointing.Checkpoints(str(tmp_path), 'eval/accuracy')
   assert reopened.best_step() == 10
   assert reopened.latest_progress()['epoch'] == 3

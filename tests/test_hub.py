@@ -7,6 +7,8 @@ cache entry."""
 import collections
 import hashlib
 import http.server
+import json
+import logging
 import os
 import subprocess
 import sys
@@ -18,14 +20,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from backbones import hub
 from backbones import weights
 from configs import default
 from core import errors
 from data_sources import generated
+import models
+from preprocessing import crop
 from tests.helpers.build import create_backbone
+from tests.helpers.build import load_weights
+from tests.helpers.build import read_weights
 from tests.helpers.optional import requires_extras
 import train
+from training import init_from
 from training import run_spec
 
 REPO = 'stand-in/resnet18.seeded'
@@ -163,7 +169,7 @@ def _load(model, name: str) -> dict[str, np.ndarray]:
   """`model`'s variables after load_pretrained(name), every one zeroed before."""
   for _, variable in weights.model_variables(model):
     variable.set_value(jnp.zeros(variable.shape, variable.dtype))
-  loaded, fresh = weights.load_pretrained(model, 'resnet18', name)
+  loaded, fresh = load_weights(model, 'resnet18', name)
   assert loaded and not fresh
   return {name: np.array(variable[...]) for name, variable in weights.model_variables(model)}
 
@@ -181,7 +187,7 @@ def _cache_files(home: str) -> list[str]:
 
 def _refused(name: str, reason: str) -> errors.DownloadError:
   with pytest.raises(errors.DownloadError) as raised:
-    weights.read_state_dict(name)
+    read_weights(name)
   assert (raised.value.key, raised.value.value, raised.value.reason) == ('init_from', name, reason)
   assert '\n' not in raised.value.one_line()
   return raised.value
@@ -213,14 +219,12 @@ def test_revision_and_short_form(served, model, from_file, tmp_path, monkeypatch
   _assert_equal(_load(model, f'hf-hub:{REPO}@{served.commit(REPO)}'), from_file)
   served.repos['timm/resnet18.seeded'] = served.repos[REPO]
   monkeypatch.chdir(tmp_path)
-  assert hub.is_hub_name('timm/resnet18.seeded')
+  assert isinstance(init_from.parse('timm/resnet18.seeded'), init_from.HubWeights)
   _assert_equal(_load(model, 'timm/resnet18.seeded'), from_file)
-  os.makedirs('timm/resnet18.seeded')  # A workdir of that name: it is no Hub name any more.
-  assert not hub.is_hub_name('timm/resnet18.seeded')
-  assert not weights.is_pretrained_path('timm/resnet18.seeded')
-  assert not hub.is_hub_name('timm/resnet18.safetensors')  # A file, even a missing one.
-  with pytest.raises(errors.ConfigError) as raised:
-    weights.read_state_dict('timm/resnet18.safetensors')
+  os.makedirs('timm/resnet18.seeded/checkpoints/1/state')  # A workdir of that name...
+  assert isinstance(init_from.parse('timm/resnet18.seeded'), init_from.AppCheckpoint)  # ... wins.
+  with pytest.raises(errors.ConfigError) as raised:  # A file, even a missing one.
+    init_from.parse('timm/resnet18.safetensors')
   assert not isinstance(raised.value, errors.DownloadError)
 
 
@@ -318,6 +322,34 @@ def test_a_name_the_hub_lacks_is_said_before_the_data_is_read(served, tmp_path):
   with pytest.raises(errors.DownloadError) as raised:
     train.train_and_evaluate(run_spec.resolve(config), str(tmp_path / 'workdir'))
   assert (raised.value.key, raised.value.reason) == ('init_from', 'repository_not_found')
+
+
+def test_a_repositorys_own_config_gives_the_preprocessing(served, caplog):
+  """As timm reads it: `timm/resnet50.tv_in1k`'s config.json says torchvision's recipe (crop
+  0.875, bilinear), not the registered model's a1_in1k (0.95, bicubic); a repository whose
+  config.json says nothing leaves the registered one. Each is logged with where it was read."""
+  tv_in1k = {'input_size': [3, 224, 224], 'crop_pct': 0.875, 'interpolation': 'bilinear',
+             'mean': [0.485, 0.456, 0.406], 'std': [0.229, 0.224, 0.225]}
+  served.repos['timm/resnet50.tv_in1k'] = {
+      **served.repos[REPO],
+      'config.json': json.dumps({'architecture': 'resnet50',
+                                 'pretrained_cfg': {'tag': 'tv_in1k', **tv_in1k}}).encode()}
+  served.repos['stand-in/resnet50.plain'] = served.repos[REPO]  # Its config.json: {}.
+  registered = models.MODELS.capability('resnet50', 'pretrained')
+  for name, expected, where in (('hf-hub:timm/resnet50.tv_in1k', tv_in1k, 'config.json'),
+                                ('timm/resnet50.tv_in1k', tv_in1k, 'config.json'),
+                                ('hf-hub:stand-in/resnet50.plain', registered, 'has no')):
+    config = default.get_config()
+    config.update(dict(data_source='folder', dataset='none', model='resnet50', init_from=name))
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+      run = run_spec.resolve(config)
+    assert run.input.preprocess.spec == crop.pretrained_spec(expected), name
+    logged, = [record.getMessage() for record in caplog.records
+               if 'preprocessing as they were trained' in record.getMessage()]
+    assert where in logged and f"crop_pct {expected['crop_pct']}" in logged, logged
+  assert registered['crop_pct'] != tv_in1k['crop_pct']  # The two differ, so the test can fail.
+  assert served.requests[('GET', 'model.safetensors')] == 2  # Downloaded first, once a repo.
 
 
 def _predict(root: str, inputs: str, init_from: str, workdir: str, env: dict[str, str]):

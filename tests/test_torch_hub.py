@@ -17,6 +17,8 @@ from configs import default
 from core import errors
 from tests.helpers import timm_models
 from tests.helpers.build import create_backbone
+from tests.helpers.build import load_weights
+from tests.helpers.build import read_weights
 from tests.helpers.optional import requires_extras
 from training import run_spec
 
@@ -88,16 +90,16 @@ def server_fixture():
 
 def _download_error(path: str) -> errors.DownloadError:
   with pytest.raises(errors.DownloadError) as error:
-    weights.read_state_dict(path)
+    read_weights(path)
   return error.value
 
 
 def test_a_url_is_downloaded_once_into_torch_hubs_cache(cache, server):
   url = f'{server.url}/weights.safetensors'
-  read = weights.read_state_dict(url)
+  read = read_weights(url)
   assert sorted(os.listdir(cache)) == ['weights.safetensors']
   server.stop()  # Later reads are the cache's.
-  for state_dict in (read, weights.read_state_dict(url)):
+  for state_dict in (read, read_weights(url)):
     assert state_dict.keys() == server.arrays.keys()
     for key, array in server.arrays.items():
       np.testing.assert_array_equal(state_dict[key], array)
@@ -105,7 +107,7 @@ def test_a_url_is_downloaded_once_into_torch_hubs_cache(cache, server):
 
 
 def test_the_hash_a_file_name_carries_is_checked(cache, server):
-  weights.read_state_dict(f'{server.url}/{server.named}')  # Its hash matches.
+  read_weights(f'{server.url}/{server.named}')  # Its hash matches.
   error = _download_error(f'{server.url}/wrong-0123abcd.safetensors')
   assert (error.key, error.reason) == ('init_from', 'hash_mismatch')
   assert sorted(os.listdir(cache)) == [server.named]  # Nothing else, no temporary file.
@@ -147,7 +149,7 @@ def test_torchvision_weights_by_name_load_from_torch_hubs_cache(cache):
   cache.mkdir(parents=True)
   torch.save(torch_model.state_dict(), cache / os.path.basename(torch_hub.url(name)))
   model = create_backbone('resnet18', image_shape=(64, 64, 3), num_classes=1000)
-  assert weights.load_pretrained(model, 'resnet18', name)[1] == []
+  assert load_weights(model, 'resnet18', name)[1] == []
   timm_models.assert_same_logits(torch_model, model, timm_models.images(64, 64))
 
 

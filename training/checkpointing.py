@@ -13,10 +13,11 @@ start removes the temporary directory).
 
 An epoch's checkpoint is saved before its evaluations, so that a failed evaluation loses no
 training. What is known only after them, the eval metrics and the progress of the hooks that ran
-after the save, is this app's own record, `<workdir>/checkpoints/steps.json` ({step: {progress,
-metrics}}, rewritten atomically), never written into Orbax's step directories. By those metrics
-the app keeps the best epoch-end checkpoint besides the newest `max_to_keep`, and deletes the
-others through the manager.
+after the save, is this app's own record, `<workdir>/checkpoints/steps.json` ({'steps': {step:
+{progress, metrics}}, 'best_step': step}, rewritten atomically), never written into Orbax's step
+directories. By those metrics the app keeps the best epoch-end checkpoint besides the newest
+`max_to_keep`, and deletes the others through the manager; the record names the best, so that
+another run's `init_from` finds it without knowing how that run judged it.
 """
 
 import errno
@@ -134,15 +135,16 @@ def verify_readable(path: str) -> None:
 
 def checkpoint_path(path: str) -> str:
   """The `state` item of what `path` names: a checkpoint step directory of this app, a
-  checkpoints directory or a workdir (then its newest checkpoint). A `ConfigError` if it names
-  none."""
+  checkpoints directory or a workdir (then its best checkpoint as its record names it, else its
+  newest). A `ConfigError` if it names none."""
   for candidate in (path, os.path.join(path, CHECKPOINT_DIR)):
     if os.path.isdir(os.path.join(candidate, 'state')):
       return os.path.join(candidate, 'state')
     steps = [int(name) for name in (os.listdir(candidate) if os.path.isdir(candidate) else ())
              if name.isdigit()]
     if steps:
-      return os.path.join(candidate, str(max(steps)), 'state')
+      best = _read_record(os.path.join(candidate, RECORD_FILE)).get('best_step')
+      return os.path.join(candidate, str(best if best in steps else max(steps)), 'state')
   raise errors.ConfigError(f'config.init_from={path!r} is not a checkpoint, checkpoints '
                            'directory or workdir of this app: pass one (e.g. runs/mnist).',
                            key='init_from', value=path)
@@ -163,6 +165,21 @@ def read_state(path: str) -> dict[str, object]:
       lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device),
       checkpointer.metadata(path).item_metadata))
   return {name.removesuffix('.value'): leaf for name, leaf in _flat(tree).items()}
+
+
+def _read_record(path: str) -> dict:
+  """RECORD_FILE at `path`: {'steps': {step: {'progress': ..., 'metrics': ...}}, 'best_step':
+  step or None}; empty if there is none. An earlier version of this app wrote the steps alone."""
+  try:
+    with open(path, encoding='utf-8') as file:
+      record = json.load(file)
+  except FileNotFoundError:
+    return {'steps': {}}
+  except ValueError as error:
+    raise errors.CheckpointError(
+        f'The record of the checkpoints {path} is damaged ({_first_line(error)}): move the '
+        f'checkpoints aside and pass a new --workdir.', directory=os.path.dirname(path)) from error
+  return record if 'steps' in record else {'steps': record}
 
 
 def _flat(tree, is_leaf=None) -> dict[str, object]:
@@ -203,7 +220,8 @@ class Checkpoints:
         # Named handlers let a fresh process read the metadata of existing checkpoints.
         item_handlers={'state': ocp.StandardCheckpointHandler(),
                        'progress': ocp.JsonCheckpointHandler()})
-    self._records = self._read_records()
+    self._records = {int(step): record for step, record in
+                     _read_record(os.path.join(self.directory, RECORD_FILE))['steps'].items()}
 
   def close(self) -> None:
     """Waits for Orbax's background work and ends it."""
@@ -282,23 +300,11 @@ class Checkpoints:
     self._write_records()
     self._delete_unkept()
 
-  def _read_records(self) -> dict[int, dict]:
-    """{step: {'progress': ..., 'metrics': ...}} of RECORD_FILE; {} if there is none."""
-    path = os.path.join(self.directory, RECORD_FILE)
-    try:
-      with open(path, encoding='utf-8') as file:
-        return {int(step): record for step, record in json.load(file).items()}
-    except FileNotFoundError:
-      return {}
-    except ValueError as error:
-      raise errors.CheckpointError(
-          f'The record of the checkpoints {path} is damaged ({_first_line(error)}): move the '
-          f'checkpoints aside and pass a new --workdir.', directory=self.directory) from error
-
   def _write_records(self) -> None:
     if jax.process_index() == 0:  # All processes keep the same record; the first writes it.
-      workdirs.write_json(os.path.join(self.directory, RECORD_FILE),
-                          {str(step): record for step, record in self._records.items()})
+      workdirs.write_json(os.path.join(self.directory, RECORD_FILE), {
+          'steps': {str(step): record for step, record in self._records.items()},
+          'best_step': self.best_step()})
 
   def _forget(self, steps) -> None:
     """Removes the records of `steps` (deleted, moved aside or saved anew)."""

@@ -16,16 +16,12 @@ end with the best checkpoint) and those of `config.evaluations`, each
 from collections.abc import Callable
 import dataclasses
 import json
-import os
 import re
 
 from absl import logging
 import ml_collections
 import optax
 
-from backbones import hub
-from backbones import torch_hub
-from backbones import weights
 from core import config_values
 from core import errors
 import data_sources
@@ -35,9 +31,9 @@ import kernels
 import models
 import preprocessing
 from preprocessing import crop
-from training import checkpointing
 from training import evaluation
 from training import evaluators
+from training import init_from
 from training import loggers
 from training import losses
 from training import optimizers
@@ -92,9 +88,7 @@ class Run:
   profile_steps: int
   early_stopping_patience: int
   early_stopping_min_delta: float
-  init_from: str | None
-  init_exclude: tuple[str, ...]
-  init_keep_head: bool  # Keep the head of an init_from run trained on other class names.
+  init_from: init_from.Source | None
   # A linear probe's cached views (feature_cache.compute; 0: as eval prepares the images), or
   # None: the whole model runs at every step.
   probe_views: int | None
@@ -157,13 +151,15 @@ def _options(config: ml_collections.ConfigDict, key: str) -> dict:
 def resolve(config: ml_collections.ConfigDict) -> Run:
   """The `Run` of `config`; a `ConfigError` (or `MissingPackage`) naming the first bad key."""
   _check_values(config)
-  preprocess = _preprocessing(config)
+  source = init_from.parse(config.init_from, tuple(config.init_exclude), config.init_keep_head)
+  model = _model(config)
+  preprocess = _preprocessing(config, source)  # After the checks above: it may download.
   evaluations = _evaluations(config, preprocess)
   return Run(
       settings=json.loads(config.to_json_best_effort()),
       data_source=config.data_source, dataset=config.dataset,
       input=_input(config, preprocess),
-      model=_model(config),
+      model=model,
       loss=losses.LOSSES.bind(config.loss, _options(config, 'loss')),
       optimization=_optimization(config),
       evaluations=evaluations,
@@ -181,28 +177,26 @@ def resolve(config: ml_collections.ConfigDict) -> Run:
       profile_steps=config.profile_steps,
       early_stopping_patience=config.early_stopping_patience,
       early_stopping_min_delta=config.early_stopping_min_delta,
-      init_from=_checked_init_from(config.init_from), init_exclude=tuple(config.init_exclude),
-      init_keep_head=config.init_keep_head,
+      init_from=source,
       probe_views=_probe_views(config, preprocess),
       loggers=loggers.check(config.loggers))
 
 
-def _preprocessing(config: ml_collections.ConfigDict) -> preprocessing.Preprocessing:
+def _preprocessing(config: ml_collections.ConfigDict,
+                   source: init_from.Source | None) -> preprocessing.Preprocessing:
   """config.preprocess; unset (''), with init_from a backbone's pretrained weights, the
-  preprocessing those weights were trained with (torchvision's weights' own, else the model's
-  timm pretrained_cfg), logged."""
-  pretrained = models.MODELS.capability(config.model, 'pretrained')
-  if (config.preprocess or not pretrained or not config.init_from
-      or not weights.is_pretrained_path(config.init_from)):
+  preprocessing those weights were trained with (`Source.pretrained_cfg`: a Hub repository's
+  own, torchvision's weights' own, else the model's timm pretrained_cfg), logged."""
+  registered = models.MODELS.capability(config.model, 'pretrained')
+  if (config.preprocess or not registered or source is None
+      or (found := source.pretrained_cfg(registered)) is None):
     return preprocessing.parse(config.preprocess)
-  source = 'timm\'s pretrained_cfg'
-  if (torchvision := torch_hub.pretrained_cfg(config.init_from)) is not None:
-    pretrained, source = torchvision, 'the torchvision weights\' transforms()'
+  pretrained, where = found
   spec = crop.pretrained_spec(pretrained)
   logging.info('config.preprocess is not set and config.init_from=%r holds pretrained %s '
                'weights: preprocessing as they were trained (%s: crop_pct %s, %s), %r; eval, '
                'predict and export take the centre crop.', config.init_from, config.model,
-               source, pretrained['crop_pct'], pretrained['interpolation'], spec)
+               where, pretrained['crop_pct'], pretrained['interpolation'], spec)
   return preprocessing.parse(spec)
 
 
@@ -383,23 +377,6 @@ def _extra_evaluation(config: ml_collections.ConfigDict, name: str,
 def reference_name(evaluation_name: str) -> str:
   """The name of an evaluation's reference split in `Run.eval_splits` and `Data.eval_sizes`."""
   return f'{evaluation_name}/reference'
-
-
-def _checked_init_from(path: str | None) -> str | None:
-  """config.init_from, checked to exist before any data is read: PyTorch weights (a file, or a
-  Hub name, URL or torchvision name, checked for its form here and downloaded when loaded) or
-  a workdir or checkpoint of this app."""
-  if path and hub.is_hub_name(path):
-    hub.parse(path)
-  elif path and torch_hub.is_download_name(path):
-    torch_hub.url(path)
-  elif path and weights.is_pretrained_path(path):
-    _require(os.path.isfile(path), 'init_from', path,
-             f'config.init_from={path!r} is not a file: pass the path of a .safetensors (or '
-             '.pth, .pt, .bin) state_dict, or a Hub name (hf-hub:timm/resnet18.a1_in1k).')
-  elif path:
-    checkpointing.checkpoint_path(path)
-  return path
 
 
 def _best_metric(name: str, evaluations: tuple[evaluation.Evaluation, ...]) -> BestMetric:

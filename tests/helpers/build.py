@@ -9,6 +9,8 @@ from data_sources import base
 import input_pipeline
 import kernels
 import models
+from backbones import weights
+from training import init_from
 from training import run_spec
 from training import state as state_lib
 
@@ -62,3 +64,15 @@ def create_backbone(name: str, image_shape=(224, 224, 3), num_classes=7,
     factory = type(factory.__name__, (factory,), {'depth': depth})
   return state_lib.run_once(lambda: factory(image_shape, num_classes, layers=layers,
                                             rngs=nnx.Rngs(0), **options))
+
+
+def load_weights(model: nnx.Module, model_name: str, path: str):
+  """Loads the PyTorch weights that config.init_from=`path` names (a file, Hub name, URL or
+  torchvision name) into `model`, as a run does: parsed, downloaded, converted. Returns the
+  names loaded and the others."""
+  return weights.load_pretrained(model, model_name, init_from.parse(path).file, path=path)
+
+
+def read_weights(path: str):
+  """The state_dict that config.init_from=`path` names, downloaded first if remote."""
+  return weights.read_state_dict(init_from.parse(path).file, path)
