@@ -57,18 +57,28 @@ def drop_path_rates(drop_path_rate: float, num_blocks: int,
   return [drop_path_rate * index / max(num_blocks - 1, 1) for index in range(num_blocks)]
 
 
+def make_divisible(value: float, divisor: int = 8) -> int:
+  """timm's `make_divisible`: the multiple of `divisor` nearest `value` (at least `divisor`),
+  one more when that loses over 10% of it. Widths scaled by a multiplier use it (timm's
+  `round_channels`), and MobileNets' expanded and squeeze-excitation widths."""
+  rounded = max(divisor, int(value + divisor / 2) // divisor * divisor)
+  return rounded + divisor if rounded < 0.9 * value else rounded
+
+
 def conv(layers: kernels.Layers, in_features: int, out_features: int, kernel_size: int, *,
-         rngs: nnx.Rngs, stride: int = 1, padding: int | None = None, groups: int = 1,
+         rngs: nnx.Rngs, stride: int = 1, padding: int | str | None = None, groups: int = 1,
          use_bias: bool = False, kernel_init=HE_NORMAL) -> nnx.Conv:
   """A torch `Conv2d` from `layers.conv`: square kernel, padded `padding` pixels on every side
-  (default: (kernel_size - 1) // 2, torch's and timm's), `groups` feature groups.
+  (default: (kernel_size - 1) // 2, torch's and timm's), `groups` feature groups; or 'SAME',
+  TensorFlow's padding (more at the bottom and right when uneven: timm's `pad_type='same'`
+  of its models ported from TensorFlow, the tf_ ones), which is flax's.
 
   torch pads symmetrically; flax's 'SAME' pads the extra row at the bottom, which differs for
   stride 2, so strided convolutions get explicit padding. Stride-1 ones whose symmetric padding
   is 'SAME' say 'SAME', which the XLA:CPU layers compute faster in training.
   """
   padding = (kernel_size - 1) // 2 if padding is None else padding
-  if stride == 1 and 2 * padding == kernel_size - 1:
+  if padding == 'SAME' or (stride == 1 and 2 * padding == kernel_size - 1):
     flax_padding = 'SAME'
   else:
     flax_padding = ((padding, padding), (padding, padding))

@@ -55,20 +55,38 @@ _LARGE_STAGES = (
 # Squeeze-and-excitation to a quarter of the block's expanded features (timm's se_from_exp).
 _SE_RATIO = 0.25
 
-# timm's keys -> this module's paths. timm's first stage has a depthwise-separable block
-# (conv_dw, bn1, conv_pw, bn2), the next five inverted residuals (conv_pw, bn1, conv_dw, bn2, se,
-# conv_pwl, bn3): both are `MBConv` here, with names that say each layer's role; the last stage
-# is one 1x1 convolution (conv, bn1), `ConvBnAct` here.
-KEY_MAP = (
-    *weights.conv_rules(r'conv_stem', 'conv_stem'),
-    *weights.norm_rules(r'bn1', 'bn1'),
-    *efficientnet.block_rules(separable=r'(blocks\.0\.\d+)', inverted=r'(blocks\.[1-5]\.\d+)'),
-    *weights.conv_rules(r'(blocks\.6\.0)\.conv', r'\1.conv'),
-    *weights.norm_rules(r'(blocks\.6\.0)\.bn1', r'\1.bn'),
-    *weights.conv_rules(r'(blocks\.\d+\.\d+\.se\.conv_(?:reduce|expand))', r'\1'),
-    *weights.conv_rules(r'conv_head', 'conv_head'),
-    *weights.linear_rules(r'classifier', 'classifier'),
+# timm's arch_def of mobilenetv3_small_100 the same way (`ds_r1_k3_s2_e1_c16_se0.25_nre`, ...),
+# without its last stage (`cn_r1_k1_s1_c576`).
+_SMALL_STAGES = (
+    (Blocks(1, 3, 2, 1, 16, True, nnx.relu),),
+    (Blocks(1, 3, 2, 4.5, 24, False, nnx.relu), Blocks(1, 3, 1, 3.67, 24, False, nnx.relu)),
+    (Blocks(1, 5, 2, 4, 40, True, hard_swish), Blocks(2, 5, 1, 6, 40, True, hard_swish)),
+    (Blocks(2, 5, 1, 3, 48, True, hard_swish),),
+    (Blocks(3, 5, 2, 6, 96, True, hard_swish),),
 )
+
+
+def timm_key_map(stages: tuple[tuple[Blocks, ...], ...]) -> tuple:
+  """timm's keys -> the paths of a model of `stages`. timm's first stage has a
+  depthwise-separable block (conv_dw, bn1, [se,] conv_pw, bn2), the next ones inverted
+  residuals (conv_pw, bn1, conv_dw, bn2, [se,] conv_pwl, bn3): both are `MBConv` here, with
+  names that say each layer's role; the last stage is one 1x1 convolution (conv, bn1),
+  `ConvBnAct` here."""
+  last = len(stages)
+  return (
+      *weights.conv_rules(r'conv_stem', 'conv_stem'),
+      *weights.norm_rules(r'bn1', 'bn1'),
+      *efficientnet.block_rules(separable=r'(blocks\.0\.\d+)',
+                                inverted=rf'(blocks\.(?:{"|".join(map(str, range(1, last)))})\.\d+)'),
+      *weights.conv_rules(rf'(blocks\.{last}\.0)\.conv', r'\1.conv'),
+      *weights.norm_rules(rf'(blocks\.{last}\.0)\.bn1', r'\1.bn'),
+      *weights.conv_rules(r'(blocks\.\d+\.\d+\.se\.conv_(?:reduce|expand))', r'\1'),
+      *weights.conv_rules(r'conv_head', 'conv_head'),
+      *weights.linear_rules(r'classifier', 'classifier'),
+  )
+
+
+KEY_MAP = timm_key_map(_LARGE_STAGES)
 
 
 def torchvision_key_map(stages: tuple[tuple[Blocks, ...], ...]) -> tuple:
@@ -103,13 +121,6 @@ def torchvision_key_map(stages: tuple[tuple[Blocks, ...], ...]) -> tuple:
           *weights.linear_rules(r'classifier\.3', 'classifier'))
 
 
-def make_divisible(value: float, divisor: int = 8) -> int:
-  """timm's `make_divisible`: the multiple of `divisor` nearest `value` (at least `divisor`),
-  one more when that loses over 10% of it. Expanded and squeeze-excitation widths use it."""
-  rounded = max(divisor, int(value + divisor / 2) // divisor * divisor)
-  return rounded + divisor if rounded < 0.9 * value else rounded
-
-
 class SqueezeExcite(nnx.Module):
   """Channel attention (Hu et al. 2018) as MobileNetV3's: the features' means through a 1x1
   convolution to `reduced` features, ReLU, a 1x1 convolution back and a hard-sigmoid gate scale
@@ -133,7 +144,7 @@ class MBConv(nnx.Module):
   def __init__(self, in_features: int, stride: int, spec: Blocks, drop_path_rate: float, *,
                layers: kernels.Layers, rngs: nnx.Rngs, epsilon: float = 1e-5):
     if spec.expand_ratio != 1:
-      hidden = make_divisible(in_features * spec.expand_ratio)
+      hidden = common.make_divisible(in_features * spec.expand_ratio)
       self.conv_expansion = common.conv(layers, in_features, hidden, 1, rngs=rngs)
       self.bn_expansion = common.batch_norm(layers, hidden, rngs=rngs, epsilon=epsilon)
     else:
@@ -142,7 +153,7 @@ class MBConv(nnx.Module):
     self.conv_dw = common.conv(layers, hidden, hidden, spec.kernel_size, stride=stride,
                                groups=hidden, rngs=rngs)
     self.bn_dw = common.batch_norm(layers, hidden, rngs=rngs, epsilon=epsilon)
-    self.se = (SqueezeExcite(hidden, make_divisible(hidden * _SE_RATIO), layers=layers,
+    self.se = (SqueezeExcite(hidden, common.make_divisible(hidden * _SE_RATIO), layers=layers,
                              rngs=rngs) if spec.squeeze_excite else None)
     self.conv_projection = common.conv(layers, hidden, spec.out_features, 1, rngs=rngs)
     self.bn_projection = common.batch_norm(layers, spec.out_features, rngs=rngs,
@@ -264,3 +275,14 @@ class MobileNetV3LargeTorchvision(MobileNetV3Large):
   epsilon (1e-3), in whose layout its weights import (`torchvision:MobileNet_V3_Large_Weights.
   IMAGENET1K_V1`)."""
   bn_epsilon = 1e-3
+
+
+@models.MODELS.register(
+    'mobilenetv3_small_100', key_map=timm_key_map(_SMALL_STAGES), layers=LAYERS,
+    # timm's default weights: trained with the LAMB optimizer (lamb_in1k).
+    pretrained=common.pretrained_cfg('timm/mobilenetv3_small_100.lamb_in1k', crop_pct=0.875,
+                                     interpolation='bicubic', mean=common.IMAGENET_MEAN,
+                                     std=common.IMAGENET_STD))
+class MobileNetV3Small(MobileNetV3):
+  """MobileNetV3-Small 1.0 (2.5M parameters with 1,000 classes)."""
+  stages, stem_features, conv_features, head_features = _SMALL_STAGES, 16, 576, 1024

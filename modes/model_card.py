@@ -105,6 +105,8 @@ def markdown(content: dict) -> str:
       f"before the model: {preprocessing['before'] or 'nothing'}; inside the model: "
       f"{preprocessing['inside']} |",
       f"| classes ({len(content['classes'])}) | {', '.join(content['classes'])} |", '',
+      f"## The {content['format']} export", '', '| | |', '| --- | --- |',
+      *(f'| {name} | {value} |' for name, value in content['format_details'].items()), '',
       '## Metrics', '', '| metric | value |', '| --- | --- |',
       *(f'| {name} | {value:.6g} |' for name, value in
         {**content['metrics']['final'], **content['metrics']['test']}.items()

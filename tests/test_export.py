@@ -184,6 +184,13 @@ def test_each_format_in_its_runtime_classifies_as_predict(workdir, export_format
                                       else path, model_card.JSON_FILE)).read())
   assert card['input']['fixed_size'] == (export_format != 'saved_model')
   assert card['temperature'] == TEMPERATURE
+  if export_format == 'tflite':  # What a device that runs it needs: its size and speed.
+    details = card['format_details']
+    assert details['file_megabytes'] == round(os.path.getsize(path) / 1e6, 3)
+    assert details['interpreter_images_per_second_batch_1'] > 0
+    assert details['processor'] == provenance.processor()
+    text = open(os.path.join(os.path.dirname(path), model_card.MARKDOWN_FILE)).read()
+    assert f"| file_megabytes | {details['file_megabytes']} |" in text
 
 
 def test_exports_divide_the_logits_by_the_temperature(workdir):

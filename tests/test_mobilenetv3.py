@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from backbones import common
 from backbones import mobilenetv3
 from backbones import weights
 from tests.helpers import timm_models as timm_helpers
@@ -53,7 +54,7 @@ def test_pretrained_cfg_is_timms_default():
 def test_make_divisible_matches_timm(value):
   requires_extras('timm')
   from timm.layers import make_divisible  # pylint: disable=g-import-not-at-top
-  assert mobilenetv3.make_divisible(value) == make_divisible(value)
+  assert common.make_divisible(value) == make_divisible(value)
 
 
 def _model_shape(**options) -> nnx.Module:

@@ -36,11 +36,25 @@ _GIT_TIMEOUT_S = 10
 
 
 def environment() -> dict:
-  """The Python and package versions and the code's git state, as of now."""
+  """The Python and package versions, the processor and the code's git state, as of now."""
   return {'python': platform.python_version(),
           'packages': {name: getattr(importlib.import_module(module), '__version__', None)
                        for name, module in PACKAGES.items()},
+          'processor': processor(),
           'git': git_state()}
+
+
+def processor() -> str:
+  """The CPU's model name (Linux's /proc/cpuinfo, as `lscpu` shows it), else what Python's
+  `platform` knows (often only the architecture)."""
+  try:
+    with open('/proc/cpuinfo', encoding='utf-8') as file:
+      for line in file:
+        if line.startswith('model name'):
+          return line.split(':', 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
 
 
 def git_state(directory: str = CODE_DIR) -> dict | None:

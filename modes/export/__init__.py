@@ -106,7 +106,7 @@ class Format:
 
   Its class attributes declare where it goes and what it takes; `write` is its converter and
   `run` its runtime (which `check` runs on probe images); `card_fields` adds its own entries to
-  the model card.
+  the model card (of the export at its path).
   """
   directory: str  # In the workdir.
   file: str | None = None  # The model's file in `directory`; None: the directory is the model.
@@ -122,9 +122,10 @@ class Format:
     """The logits of uint8 `images` from the export at `path`, run by the format's runtime."""
     raise NotImplementedError
 
-  def card_fields(self, classifier: Classifier) -> dict:
-    """The format's own model-card entries (JSON values), under 'format_details'."""
-    del classifier  # Unused: no entries of its own.
+  def card_fields(self, classifier: Classifier, path: str) -> dict:
+    """The format's own model-card entries (JSON values) for its export at `path`, under
+    'format_details'."""
+    del classifier, path  # Unused: no entries of its own.
     return {}
 
 
@@ -190,7 +191,7 @@ def export(run: run_spec.Run, workdir: str, export_format: str = DEFAULT_FORMAT,
       os.remove(path)
     raise
   model_card.write(directory, workdir, export_format=export_format, model_path=path,
-                   usage=exporter.usage, format_details=exporter.card_fields(classifier),
+                   usage=exporter.usage, format_details=exporter.card_fields(classifier, path),
                    step=classifier.step, info=classifier.info, any_size=exporter.any_size,
                    preprocess=classifier.preprocess.spec, preparation=classifier.preparation,
                    temperature=classifier.temperature)

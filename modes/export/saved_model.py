@@ -64,6 +64,6 @@ class SavedModel(export.Format):
     return tf.saved_model.load(path).signatures['serving_default'](
         images=tf.constant(images))['logits'].numpy()
 
-  def card_fields(self, classifier: export.Classifier) -> dict:
-    del classifier  # The same for every model.
+  def card_fields(self, classifier: export.Classifier, path: str) -> dict:
+    del classifier, path  # The same for every model.
     return {'signatures': _SIGNATURES, 'platforms': list(export.PLATFORMS)}

@@ -26,6 +26,6 @@ class StableHLO(export.Format):
     with open(path, 'rb') as file:
       return np.asarray(jax.export.deserialize(file.read()).call(images))
 
-  def card_fields(self, classifier: export.Classifier) -> dict:
-    del classifier  # The same for every model.
+  def card_fields(self, classifier: export.Classifier, path: str) -> dict:
+    del classifier, path  # The same for every model.
     return {'platforms': list(export.PLATFORMS)}

@@ -1,13 +1,20 @@
 """`--export_format=tflite`: `<workdir>/export_tflite/model.tflite`, for LiteRT
 (`ai_edge_litert`), through TF's LiteRT converter; model-size images."""
 
+import os
 import tempfile
+import time
 
 import numpy as np
 import tensorflow as tf
 
 from modes import export
 from modes.export import saved_model
+from training import provenance
+
+# The interpreter's speed on the card: calls before timing, and at least this many calls and
+# seconds timed (a phone-sized model takes milliseconds a call).
+_WARMUP_CALLS, _MIN_CALLS, _MIN_SECONDS = 3, 10, 1.0
 
 
 @export.FORMATS.register('tflite')
@@ -33,6 +40,21 @@ class TFLite(export.Format):
         model_path=path)
     return interpreter.get_signature_runner()(images=images)['logits']
 
-  def card_fields(self, classifier: export.Classifier) -> dict:
-    del classifier  # The same for every model.
-    return {'signatures': {'serving_default': ['logits']}, 'platforms': ['cpu']}
+  def card_fields(self, classifier: export.Classifier, path: str) -> dict:
+    """Its signature, and what a device that runs it needs to know: the file's size, and the
+    interpreter's speed on one image at a time (LiteRT's default threads, this machine's
+    CPU: `processor`), after a warm-up."""
+    runner = export.require('ai_edge_litert.interpreter', 'tflite').Interpreter(
+        model_path=path).get_signature_runner()
+    image = np.zeros((1, *classifier.info.image_shape), np.uint8)
+    for _ in range(_WARMUP_CALLS):
+      runner(images=image)
+    calls, start = 0, time.perf_counter()
+    while calls < _MIN_CALLS or time.perf_counter() - start < _MIN_SECONDS:
+      runner(images=image)
+      calls += 1
+    return {'signatures': {'serving_default': ['logits']}, 'platforms': ['cpu'],
+            'file_megabytes': round(os.path.getsize(path) / 1e6, 3),
+            'interpreter_images_per_second_batch_1': round(
+                calls / (time.perf_counter() - start), 1),
+            'processor': provenance.processor()}

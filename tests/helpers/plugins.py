@@ -150,5 +150,6 @@ class CpuStableHLO(export.Format):
     with open(path, 'rb') as file:
       return np.asarray(jax.export.deserialize(file.read()).call(images))
 
-  def card_fields(self, classifier):
+  def card_fields(self, classifier, path):
+    del path
     return {'platforms': ['cpu'], 'classes': len(classifier.info.class_names)}

@@ -36,6 +36,26 @@ class SmallEfficientNet(efficientnet.EfficientNet):
   stem_features, head_features = 8, 32
 
 
+@models.MODELS.register('small_efficientnet_lite_tf_for_test', key_map=efficientnet.KEY_MAP)
+class SmallEfficientNetLiteTF(efficientnet.EfficientNet):
+  # EfficientNet-Lite as TensorFlow's port (tf_efficientnet_lite0; MobileNetV2's layer kinds
+  # too): ReLU6, no squeeze-and-excitation, 'SAME' padding of strided 3x3 and 5x5 convolutions
+  # on even and odd sizes, BatchNorm epsilon 1e-3.
+  stages = ((1, 3, 1, 1, 8), (2, 3, 2, 6, 16), (1, 5, 2, 6, 24))
+  stem_features, head_features = 8, 32
+  style = efficientnet.BlockStyle(activation=nnx.relu6, squeeze_excite=False, padding='SAME',
+                                  bn_epsilon=1e-3)
+
+
+@models.MODELS.register('small_mobilenetv3_small_for_test')
+class SmallMobileNetV3Small(mobilenetv3.MobileNetV3):
+  # MobileNetV3-Small's first block: no expansion, a stride-2 depthwise convolution and
+  # squeeze-and-excitation; then an expansion by a ratio that is no integer (4.5).
+  stages = ((mobilenetv3.Blocks(1, 3, 2, 1, 8, True, nnx.relu),),
+            (mobilenetv3.Blocks(1, 5, 2, 4.5, 16, True, mobilenetv3.hard_swish),))
+  stem_features, conv_features, head_features = 8, 24, 32
+
+
 @models.MODELS.register('small_mobilenetv3_for_test')
 class SmallMobileNetV3(mobilenetv3.MobileNetV3):
   # Each layer kind: a block without expansion (ReLU, with its skip connection), expansion with
@@ -97,5 +117,7 @@ class SmallClipQuickGelu(vit.VisionTransformer):
 
 
 FAMILIES = ('small_clip_quickgelu_for_test', 'small_convnext_for_test', 'small_deit_for_test',
-            'small_dinov2_for_test', 'small_efficientnet_for_test', 'small_mobilenetv3_for_test',
-            'small_resnet_for_test', 'small_siglip_for_test', 'small_vit_for_test')
+            'small_dinov2_for_test', 'small_efficientnet_for_test',
+            'small_efficientnet_lite_tf_for_test', 'small_mobilenetv3_for_test',
+            'small_mobilenetv3_small_for_test', 'small_resnet_for_test', 'small_siglip_for_test',
+            'small_vit_for_test')
