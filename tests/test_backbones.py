@@ -101,11 +101,7 @@ def test_torchvision_resnet_state_dict(name, tmp_path):
 
 @pytest.mark.parametrize('name', (*BACKBONES, *LARGE))
 def test_pretrained_cfg_is_timms_default(name):
-  requires_extras('timm')
-  import timm  # pylint: disable=g-import-not-at-top
-  declared = models.MODELS.capability(name, 'pretrained')
-  timm_cfg = timm.models.get_pretrained_cfg(name).to_dict()
-  assert declared == {key: timm_cfg[key] for key in declared}
+  timm_helpers.assert_pretrained_cfg_is_timms(name)
 
 
 @pytest.fixture(name='resnet18_file', scope='module')

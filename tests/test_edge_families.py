@@ -5,23 +5,17 @@ for the downloads), declares timm's pretrained_cfg, and fine-tunes from imported
 TFLite and ONNX exports that compute what predict computes."""
 
 import csv
-import os
 
-from flax import nnx
-import jax
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from backbones import weights
 from data_sources import generated
 from modes import export
 from modes import predict
 from tests.helpers import timm_models as timm_helpers
-from tests.helpers.build import create_backbone
 from tests.helpers.optional import requires_extras
 import kernels
-import models
 from training import run_spec
 
 EDGE = ('efficientnet_b1', 'efficientnet_b2', 'efficientnet_b3', 'efficientnet_lite0',
@@ -40,26 +34,12 @@ SIZE, ODD_SIZE = 64, 65
     # The XLA:CPU layers' depthwise convolutions with 'SAME' padding and ReLU6.
     pytest.param('tf_efficientnet_lite0', kernels.CPU_LAYERS, ODD_SIZE, id='tf_lite0-cpu_layers')])
 def test_same_logits_and_parameters_as_timm(name, layers, size, tmp_path):
-  torch_model = timm_helpers.timm_model(name)
-  path = timm_helpers.save_safetensors(torch_model, tmp_path / f'{name}.safetensors')
-  model = create_backbone(name, image_shape=(size, size, 3), layers=layers)
-  loaded, fresh = weights.load_pretrained(model, name, path)
-  assert not fresh
-  # Every array but BatchNorm's step counters (num_batches_tracked) has a place here.
-  assert len(loaded) == len([key for key in torch_model.state_dict()
-                             if not key.endswith('num_batches_tracked')])
-  assert sum(np.size(leaf) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))) == sum(
-      parameter.numel() for parameter in torch_model.parameters())
-  timm_helpers.assert_same_logits(torch_model, model, timm_helpers.images(size, size))
+  timm_helpers.assert_imports_as_timm(name, size, layers, tmp_path)
 
 
 @pytest.mark.parametrize('name', EDGE)
 def test_pretrained_cfg_is_timms_default(name):
-  requires_extras('timm')
-  import timm  # pylint: disable=g-import-not-at-top
-  declared = models.MODELS.capability(name, 'pretrained')
-  timm_cfg = timm.models.get_pretrained_cfg(name).to_dict()
-  assert declared == {key: timm_cfg[key] for key in declared}
+  timm_helpers.assert_pretrained_cfg_is_timms(name)
 
 
 @pytest.mark.slow

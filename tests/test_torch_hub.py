@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from backbones import torch_hub
-from backbones import weights
 from configs import default
 from core import errors
 from tests.helpers import timm_models

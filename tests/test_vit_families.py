@@ -76,11 +76,7 @@ def test_resample_pos_embed_without_prefix_rows_matches_timm(grid):
 
 @pytest.mark.parametrize('name', FAMILIES)
 def test_pretrained_cfg_is_timms_default(name):
-  requires_extras('timm')
-  import timm  # pylint: disable=g-import-not-at-top
-  declared = models.MODELS.capability(name, 'pretrained')
-  timm_cfg = timm.models.get_pretrained_cfg(name).to_dict()
-  assert declared == {key: timm_cfg[key] for key in declared}
+  timm_helpers.assert_pretrained_cfg_is_timms(name)
 
 
 def test_register_tokens_and_layer_scale_are_in_timms_layer_groups():

@@ -2,6 +2,7 @@
 the same logits (tests/test_backbones.py and the tests of other backbone families)."""
 
 from flax import nnx
+import jax
 import numpy as np
 
 from backbones import weights
@@ -120,3 +121,30 @@ def assert_resampled_as_timm(name: str, image_size: tuple[int, int], directory,
   model = create_backbone(name, image_shape=(*image_size, 3), **options)
   assert weights.load_pretrained(model, name, path)[1] == []
   assert_same_logits(torch_model, model, images(*image_size))
+
+
+def assert_pretrained_cfg_is_timms(name: str) -> None:
+  """The preprocessing that model `name` declares (its registration's `pretrained=`) is timm's
+  pretrained_cfg of its default weights."""
+  requires_extras('timm')
+  import timm  # pylint: disable=g-import-not-at-top
+  import models  # pylint: disable=g-import-not-at-top
+  declared = models.MODELS.capability(name, 'pretrained')
+  timm_cfg = timm.models.get_pretrained_cfg(name).to_dict()
+  assert declared == {key: timm_cfg[key] for key in declared}
+
+
+def assert_imports_as_timm(name: str, size: int, layers, directory) -> None:
+  """timm's `name` with seeded random weights, saved as safetensors in `directory`, loads whole
+  into ours (every array but BatchNorm's step counters, every parameter) for `size` px images
+  built with `layers`, and both give the same logits."""
+  torch_model = timm_model(name)
+  path = save_safetensors(torch_model, directory / f'{name}.safetensors')
+  model = create_backbone(name, image_shape=(size, size, 3), layers=layers)
+  loaded, fresh = weights.load_pretrained(model, name, path)
+  assert not fresh
+  assert len(loaded) == len([key for key in torch_model.state_dict()
+                             if not key.endswith('num_batches_tracked')])
+  assert sum(np.size(leaf) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))) == sum(
+      parameter.numel() for parameter in torch_model.parameters())
+  assert_same_logits(torch_model, model, images(size, size))
