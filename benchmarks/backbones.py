@@ -3,7 +3,7 @@ same machine.
 
     python -m benchmarks.backbones --json=backbones.json [--task=train|inference] \
       [--models=resnet50,vit_small_patch16_224] [--dtypes=float32,bfloat16] \
-      [--configurations=jax_auto,jax_off,torch_eager,torch_compile,onnxruntime] \
+      [--configurations=jax_auto,jax_off,torch_eager,torch_compile,onnxruntime,tflite] \
       [--batch_size=32] [--image_size=224] [--warmup=3] [--steps=5] [--rounds=3] [--device=cpu]
 
 --models=toy_resnet is a ResNet of one basic block per stage and 8-32 features, built alike in
@@ -36,7 +36,9 @@ images (decoded, resized and cropped: what --mode=predict and eval hand the mode
 the scale stage, the model, the softmax); torch_eager and torch_compile run timm's model under
 `torch.inference_mode()` on the same uint8 batch (scaled and normalised with its statistics in
 PyTorch, then the softmax; compiled whole); onnxruntime runs this app's ONNX export of the model
-(`--mode=export --export_format=onnx`'s file, logits) in ONNX Runtime, with its default threads.
+(`--mode=export --export_format=onnx`'s file, logits) in ONNX Runtime, tflite its TFLite export
+in LiteRT's interpreter (`ai_edge_litert`; --batch_size=1 is what a phone runs), each with its
+default threads.
 Threads: every child uses all the cores it may run on (PyTorch's intra-op threads are set to
 them; XLA:CPU's pool takes them by default); each child reports its count.
 
@@ -84,12 +86,12 @@ from benchmarks import harness
 
 FLAGS = flags.FLAGS
 CONFIGURATIONS = ('jax_auto', 'jax_off', 'torch_eager', 'torch_compile', 'onnxruntime',
-                  'big_vision')
-# By --task, then --device. ONNX Runtime runs the app's ONNX export: inference only.
+                  'tflite', 'big_vision')
+# By --task, then --device. ONNX Runtime and LiteRT run the app's exports: inference only.
 DEFAULT_CONFIGURATIONS = {
     'train': {'cpu': CONFIGURATIONS[:4], 'cuda': ('jax_off', 'torch_eager', 'torch_compile'),
               'tpu': ('jax_off', 'big_vision')},
-    'inference': {'cpu': CONFIGURATIONS[:5],
+    'inference': {'cpu': CONFIGURATIONS[:6],
                   'cuda': ('jax_off', 'torch_eager', 'torch_compile'), 'tpu': ('jax_off',)}}
 # big_vision's name of each ViT it can build, by timm's name.
 BIG_VISION_VARIANTS = {'vit_tiny_patch16_224': 'Ti/16', 'vit_small_patch16_224': 'S/16',
@@ -310,7 +312,7 @@ def measure_big_vision(configuration: str, model: str, dtype: str) -> dict:
 
 def measure_app_inference(configuration: str, model: str, dtype: str) -> dict:
   """Times this app's class probabilities of a batch: --mode=predict's program (jax_*), or the
-  app's ONNX export of the same model in ONNX Runtime (onnxruntime)."""
+  app's ONNX or TFLite export of the same model in its runtime (onnxruntime, tflite)."""
   run = app_run(configuration, model, dtype)
   # pylint: disable=g-import-not-at-top
   import tempfile
@@ -326,23 +328,29 @@ def measure_app_inference(configuration: str, model: str, dtype: str) -> dict:
       (FLAGS.image_size, FLAGS.image_size, 3), NUM_CLASSES, nnx.Rngs(run.seed)))
   network.eval()
   images = random_images()  # NumPy, as predict hands each batch over.
-  if configuration == 'onnxruntime':
+  if configuration in ('onnxruntime', 'tflite'):
     if dtype != 'float32':
-      raise app.UsageError(f'onnxruntime runs the float32 export, not {dtype}.')
-    exporter = export.format_named('onnx')
+      raise app.UsageError(f'{configuration} runs the float32 export, not {dtype}.')
+    export_format = 'onnx' if configuration == 'onnxruntime' else 'tflite'
+    exporter = export.format_named(export_format)
     classifier = export.classifier_of(network, dataset_info(), run.input.preprocess)
     with tempfile.TemporaryDirectory() as directory:
       path = os.path.join(directory, exporter.file)
       exporter.write(classifier, path)
-      session = export.require('onnxruntime', 'onnx').InferenceSession(path)
-    step = lambda: session.run(['logits'], {'images': images})
-    device_name = 'cpu'
+      file_bytes = os.path.getsize(path)
+      if export_format == 'onnx':
+        session = export.require('onnxruntime', 'onnx').InferenceSession(path)
+        step = lambda: session.run(['logits'], {'images': images})
+      else:
+        runner = export.require('ai_edge_litert.interpreter', 'tflite').Interpreter(
+            model_path=path).get_signature_runner()
+        step = lambda: runner(images=images)
+    figures = {'device_name': 'cpu', 'export_bytes': file_bytes}
   else:
     step = lambda: predict.probabilities(network, run.input.preprocess,
                                          images).block_until_ready()
-    device_name = jax.devices()[0].device_kind
-  return {**timed_steps(step), 'threads': len(os.sched_getaffinity(0)),
-          'device_name': device_name}
+    figures = {'device_name': jax.devices()[0].device_kind}
+  return {**timed_steps(step), 'threads': len(os.sched_getaffinity(0)), **figures}
 
 
 def torch_network(model: str, device):
@@ -437,7 +445,7 @@ def measure_torch_inference(configuration: str, model: str, dtype: str) -> dict:
 # By --task, then the library a configuration runs in (the part of its name before '_').
 MEASURES = {'train': {'jax': measure_jax, 'torch': measure_torch, 'big': measure_big_vision},
             'inference': {'jax': measure_app_inference, 'onnxruntime': measure_app_inference,
-                          'torch': measure_torch_inference}}
+                          'tflite': measure_app_inference, 'torch': measure_torch_inference}}
 
 
 def run_configuration(configuration: str, model: str, dtype: str) -> dict:
@@ -476,9 +484,10 @@ def summarize(every_round: dict[tuple[str, str, str], list[dict]]) -> list[dict]
                  **{key: harness.median([run[key] for run in runs])
                     for key in ('images_per_sec', 'median_step_seconds', 'first_step_seconds',
                                 'load_1min', 'peak_rss_mb', 'page_faults_per_step')},
-                 # JAX's alone; None for PyTorch's.
+                 # JAX's alone (an export's file size, its runtime's); None for the others.
                  **{key: optional(key) for key in ('flops_per_step', 'peak_flops',
-                                                   'state_seconds', 'compile_seconds')},
+                                                   'state_seconds', 'compile_seconds',
+                                                   'export_bytes')},
                  'threads': runs[0]['threads'], 'device_name': runs[0]['device_name'],
                  'devices': runs[0].get('devices'),
                  'platform_version': runs[0].get('platform_version')})

@@ -78,14 +78,16 @@ def test_the_big_vision_rows_are_left_out_and_said_so_without_a_checkout(tmp_pat
 # features, in both libraries) on 32-px images, batch 2, one warm-up and one timed step per
 # child. Each row is a child process that imports its framework and compiles the model, so the
 # test runs one per library (torch.compile's children take minutes on 2 cores; more rows are
-# the summary's test above); inference adds the app's ONNX export in ONNX Runtime.
+# the summary's test above); inference adds the app's ONNX export in ONNX Runtime and its TFLite
+# export in LiteRT's interpreter.
 @pytest.mark.slow
 @pytest.mark.parametrize('task, configurations', [
     ('train', ['jax_off', 'torch_eager']),
-    ('inference', ['jax_off', 'torch_eager', 'onnxruntime'])])
+    ('inference', ['jax_off', 'torch_eager', 'onnxruntime', 'tflite'])])
 def test_benchmark_has_a_row_for_each_model_dtype_and_configuration(tmp_path, task,
                                                                     configurations):
-  requires_extras('torch', 'timm', *(['jax2onnx', 'onnxruntime'] if task == 'inference' else []))
+  requires_extras('torch', 'timm', *(['jax2onnx', 'onnxruntime', 'ai_edge_litert']
+                                     if task == 'inference' else []))
   dtypes = ['float32']
   out = tmp_path / 'backbones.json'
   result = subprocess.run(
@@ -108,5 +110,8 @@ def test_benchmark_has_a_row_for_each_model_dtype_and_configuration(tmp_path, ta
     assert row['page_faults_per_step'] >= 0, key
     assert f'| {" | ".join(key)} | ' in result.stdout, key
   assert rows['toy_resnet', 'float32', 'torch_eager']['vs_best_torch'] == 1.0
+  for export_row in ('onnxruntime', 'tflite'):  # Each export's file, as a device gets it.
+    if export_row in configurations:
+      assert rows['toy_resnet', 'float32', export_row]['export_bytes'] > 10_000, export_row
   assert result.stdout.startswith('CPU: ')  # The machine's line comes first.
   assert report['machine']['usable_cores'] == len(os.sched_getaffinity(0))
