@@ -7,8 +7,9 @@
 Pretrains `configs/default.py` on the training images of digits 0-4 (`--pretrain_epochs`,
 scored on their test images), then trains the frozen recipe on the 250 training images of
 digits 5-9 twice per seed, the same command with and without `init_from` (the head
-re-initialised by `init_exclude`): the default SGD 0.1, batches of 25, 5 epochs, convolutions
-and BatchNorms frozen; both scored on all test images of 5-9 after every epoch. Each run is
+re-initialised by itself: the source run's class names are other ones, which the run's log says
+and `head_renewed` records): the default SGD 0.1, batches of 25, 5 epochs, convolutions and
+BatchNorms frozen; both scored on all test images of 5-9 after every epoch. Each run is
 `python main.py` in its own process; the figures are read from its metrics.jsonl, and written
 with the commands to `--out` (`harness.write_json`: with this command, the commit, the machine
 and the date).
@@ -47,9 +48,12 @@ def train(workdir: str, dataset: str, extra: list[str]) -> dict:
   epochs = [values for values in harness.read_metrics(workdir) if 'eval/accuracy' in values]
   # 'train/accuracy' at an epoch's end is over the steps since the last write: the whole epoch
   # where an epoch has fewer steps than config.log_every_steps (the digits 5-9 runs: 10).
+  with open(f'{workdir}.log', encoding='utf-8') as log:
+    head_renewed = 'its head (linear2.bias, linear2.kernel) starts fresh' in log.read()
   return {'command': shlex.join(['python', *args[1:]]), 'wall_s': round(child.seconds, 1),
           'eval_accuracy': [epoch['eval/accuracy'] for epoch in epochs],
-          'train_accuracy': [epoch['train/accuracy'] for epoch in epochs]}
+          'train_accuracy': [epoch['train/accuracy'] for epoch in epochs],
+          'head_renewed': head_renewed}
 
 
 def main(argv):
@@ -61,9 +65,7 @@ def main(argv):
                      [f'--config.num_epochs={FLAGS.pretrain_epochs}'])
   runs = []
   for seed in map(int, FLAGS.seeds):
-    for arm, init in (('finetune', [f'--config.init_from={pretrain}',
-                                    "--config.init_exclude=('linear2',)"]),
-                      ('scratch', [])):
+    for arm, init in (('finetune', [f'--config.init_from={pretrain}']), ('scratch', [])):
       run = train(os.path.join(FLAGS.work, f'{arm}{seed}'),
                   os.path.join(FLAGS.folders, 'digits59'),
                   [*RECIPE, f'--config.seed={seed}', *init])

@@ -313,15 +313,27 @@ def test_a_malformed_name_is_refused_by_the_config_check(tmp_path):
     assert (raised.value.key, raised.value.value) == ('init_from', name)
 
 
-def test_a_name_the_hub_lacks_is_said_before_the_data_is_read(served, tmp_path):
-  """Training downloads the weights first: the dataset folder does not exist, yet the error is
-  the download's (reading the data first would have named the folder)."""
+@pytest.mark.parametrize('name,reason', [('hf-hub:stand-in/missing', 'repository_not_found'),
+                                         ('hf-hub:stand-in/gated', 'gated'),
+                                         ('hf-hub:stand-in/failing', 'http_error')])
+@pytest.mark.parametrize('preprocess', ['', 'resize(32)'])
+def test_what_the_hub_cannot_serve_is_said_before_the_data_is_read(served, tmp_path, name,
+                                                                    reason, preprocess,
+                                                                    retry_waits):
+  """Training downloads the weights first, whether the run takes their preprocessing (then
+  resolving the config downloads them) or its own: the dataset folder does not exist, yet the
+  error is the download's (reading the data first would have named the folder). A missing
+  repository, a gated one without a token, a server's failure: each its own reason."""
+  del retry_waits  # The server's failures are retried without sleeping.
+  served.statuses['stand-in/failing'] = 500
   config = default.get_config()
   config.update(dict(data_source='folder', dataset=str(tmp_path / 'none'), model='resnet18',
-                     init_from='hf-hub:stand-in/missing'))
+                     init_from=name, preprocess=preprocess))
   with pytest.raises(errors.DownloadError) as raised:
     train.train_and_evaluate(run_spec.resolve(config), str(tmp_path / 'workdir'))
-  assert (raised.value.key, raised.value.reason) == ('init_from', 'repository_not_found')
+  assert (raised.value.key, raised.value.value, raised.value.reason) == ('init_from', name,
+                                                                         reason)
+  assert '\n' not in raised.value.one_line()
 
 
 def test_a_repositorys_own_config_gives_the_preprocessing(served, caplog):
