@@ -284,7 +284,8 @@ def _lite(name: str, width: float, depth: float, cfg: dict):
 
 
 # timm has weights for lite0 only; its configs of lite1-4 say the resolution each was made for.
-EfficientNetLite0 = _lite('efficientnet_lite0', 1.0, 1.0, _timm_cfg('timm/efficientnet_lite0.ra_in1k'))
+EfficientNetLite0 = _lite('efficientnet_lite0', 1.0, 1.0,
+                          _timm_cfg('timm/efficientnet_lite0.ra_in1k'))
 EfficientNetLite1 = _lite('efficientnet_lite1', 1.0, 1.1, _timm_cfg(None, 240, 0.882))
 EfficientNetLite2 = _lite('efficientnet_lite2', 1.1, 1.2, _timm_cfg(None, 260, 0.89))
 EfficientNetLite3 = _lite('efficientnet_lite3', 1.2, 1.4, _timm_cfg(None, 300, 0.904))

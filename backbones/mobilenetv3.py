@@ -73,11 +73,12 @@ def timm_key_map(stages: tuple[tuple[Blocks, ...], ...]) -> tuple:
   names that say each layer's role; the last stage is one 1x1 convolution (conv, bn1),
   `ConvBnAct` here."""
   last = len(stages)
+  inverted = '|'.join(map(str, range(1, last)))  # The stages between the first and the last.
   return (
       *weights.conv_rules(r'conv_stem', 'conv_stem'),
       *weights.norm_rules(r'bn1', 'bn1'),
       *efficientnet.block_rules(separable=r'(blocks\.0\.\d+)',
-                                inverted=rf'(blocks\.(?:{"|".join(map(str, range(1, last)))})\.\d+)'),
+                                inverted=rf'(blocks\.(?:{inverted})\.\d+)'),
       *weights.conv_rules(rf'(blocks\.{last}\.0)\.conv', r'\1.conv'),
       *weights.norm_rules(rf'(blocks\.{last}\.0)\.bn1', r'\1.bn'),
       *weights.conv_rules(r'(blocks\.\d+\.\d+\.se\.conv_(?:reduce|expand))', r'\1'),

@@ -47,10 +47,15 @@ def _torchvision_weights(path: str):
         key='init_from', value=path) from None
 
 
-def url(path: str) -> str:
-  """The URL that `path` (a URL, or `torchvision:<Weights enum>.<member>`) names; a `ConfigError` (key 'init_from') for a
-  torchvision name torchvision does not know, or a URL that names no weights file."""
-  address = _torchvision_weights(path).url if path.startswith(TORCHVISION_PREFIX) else path
+def torchvision_url(path: str) -> str:
+  """The URL of torchvision's weights `torchvision:<Weights enum>.<member>` (config.init_from
+  `path`); a `ConfigError` (key 'init_from') for a name torchvision does not know."""
+  return checked_url(_torchvision_weights(path).url, path)
+
+
+def checked_url(address: str, path: str) -> str:
+  """`address`, the URL config.init_from=`path` gives; a `ConfigError` (key 'init_from') if it
+  names no weights file."""
   if not _filename(address).lower().endswith(hub.FILE_SUFFIXES):
     raise errors.ConfigError(
         f'config.init_from={path!r} names no weights file: the URL must end in a file name with '
@@ -58,12 +63,10 @@ def url(path: str) -> str:
   return address
 
 
-def pretrained_cfg(path: str) -> dict | None:
-  """The preprocessing torchvision's weights named by `path` were trained with, as timm's
-  `pretrained_cfg` keys (input_size, crop_pct, interpolation, mean, std), from the weights'
-  own `transforms()`; None for a URL, which says nothing of it."""
-  if not path.startswith(TORCHVISION_PREFIX):
-    return None
+def torchvision_pretrained_cfg(path: str) -> dict:
+  """The preprocessing torchvision's weights `path` (`torchvision:<Weights enum>.<member>`)
+  were trained with, as timm's `pretrained_cfg` keys (input_size, crop_pct, interpolation,
+  mean, std), from the weights' own `transforms()`."""
   transforms = _torchvision_weights(path).transforms()
   crop_size, resize_size = transforms.crop_size[0], transforms.resize_size[0]
   return dict(input_size=(3, crop_size, crop_size), crop_pct=round(crop_size / resize_size, 4),
@@ -71,11 +74,11 @@ def pretrained_cfg(path: str) -> dict | None:
               std=tuple(transforms.std))
 
 
-def download(path: str, check: Callable[[str], object]) -> str:
-  """The local file of the weights `path` names: from torch.hub's cache, else downloaded into
-  it once `check(temporary_file)` has read it without raising. A `DownloadError` (key
-  'init_from') saying why there is none; a `StorageError` if the cache cannot take it."""
-  address = url(path)
+def download(path: str, address: str, check: Callable[[str], object]) -> str:
+  """The local file of the weights at the URL `address` (what config.init_from=`path` names):
+  from torch.hub's cache, else downloaded into it once `check(temporary_file)` has read it
+  without raising. A `DownloadError` (key 'init_from') saying why there is none; a
+  `StorageError` if the cache cannot take it."""
   torch_hub = errors.require('torch.hub', f'config.init_from={path!r}', key='init_from',
                              value=path)
   directory = os.path.join(torch_hub.get_dir(), 'checkpoints')

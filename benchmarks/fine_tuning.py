@@ -219,7 +219,7 @@ def score_features(name: str, root: str, weights: str) -> dict:
   with open(os.path.join(workdir, 'eval_test_0.json'), encoding='utf-8') as file:
     report = json.load(file)
   # Imports TensorFlow: after every use of timm (timm's import of triton crashes after it).
-  from training import evaluators  # pylint: disable=g-import-not-at-top
+  import evaluators  # pylint: disable=g-import-not-at-top
   scored = evaluators.directions(evaluators.create(FLAGS.feature_evaluators))
   figures = {'arm': name, **{metric: report['metrics'][f'eval/{metric}'] for metric in scored},
              'wall_s': round(child.seconds, 1), 'command': shlex.join(['python', *args[1:]])}

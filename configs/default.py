@@ -161,7 +161,7 @@ def get_config() -> ml_collections.ConfigDict:
   # 'skip': skip updates whose gradients are not finite (optax.apply_if_finite).
   config.nonfinite = 'halt'
   # Evaluation.
-  # What the eval split measures after every epoch, joined by '|' (training/evaluators.py):
+  # What the eval split measures after every epoch, joined by '|' (evaluators/):
   # loss, accuracy, top_k(k), per_class (macro precision/recall/F1), balanced_accuracy,
   # confusion_matrix and misclassified(count) (pictures in TensorBoard).
   config.evaluators = 'loss|accuracy|confusion_matrix|misclassified(36)'

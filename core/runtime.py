@@ -20,7 +20,6 @@ import logging as python_logging
 import os
 import signal
 import sys
-import warnings
 
 try:
   import triton  # pylint: disable=unused-import
@@ -45,11 +44,13 @@ def start(verbose: bool = False) -> bool:
 
   Unless `verbose`, TensorFlow's and XLA's C++ start-up notices (oneDNN, CPU features, TPU
   probing) and TFDS's progress bars are hidden: only the app's own lines and real warnings.
+  No Python warning is filtered here: Python's defaults already keep the libraries'
+  DeprecationWarnings out of the console (they show only for __main__), and pytest shows them
+  in the test run's summary, where the pinned libraries' coming breakages can be fixed.
   """
   if not verbose:
     os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
     os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')  # Its notice; XLA runs the model.
-    warnings.filterwarnings('ignore', category=DeprecationWarning)
   return tune_malloc_for_cpu()
 
 

@@ -20,11 +20,11 @@ from clu import metric_writers
 import jax
 from PIL import Image
 
+import evaluators
 import input_pipeline
 import modes
 from training import calibration
 from training import evaluation
-from training import evaluators
 from training import parallel
 from training import run_spec
 

@@ -7,7 +7,7 @@ import pytest
 
 from core import errors
 from data_sources import base
-from training import evaluators
+import evaluators
 
 NUM_CLASSES = 5
 INFO = base.DatasetInfo(name='toy', image_shape=(2, 2, 1), num_classes=NUM_CLASSES,

@@ -11,12 +11,14 @@ import pytest
 
 from configs import default
 from core import errors
+from data_sources import base
+from evaluators import fewshot
+from evaluators import knn
+import evaluators
 import image_folders
 from modes import evaluate
 import train
-from training import evaluators
 from training import run_spec
-from data_sources import base
 
 NUM_CLASSES = 3
 INFO = base.DatasetInfo(name='features', image_shape=(1, 1, 1), num_classes=NUM_CLASSES,
@@ -49,7 +51,7 @@ def _score(evaluator, reference, evaluated, batch_size: int = 16):
 def test_knn_is_the_weighted_vote_of_the_k_most_similar_reference_examples():
   reference, evaluated = _clusters(0, 200), _clusters(1, 70)
   for k in (1, 7, 20):
-    got = _score(evaluators.NearestNeighbours(k=k, temperature=0.1), reference, evaluated)
+    got = _score(knn.NearestNeighbours(k=k, temperature=0.1), reference, evaluated)
     bank = reference[0] / np.linalg.norm(reference[0], axis=1, keepdims=True)
     queries = evaluated[0] / np.linalg.norm(evaluated[0], axis=1, keepdims=True)
     similarity = queries @ bank.T
@@ -65,7 +67,7 @@ def test_knn_is_the_weighted_vote_of_the_k_most_similar_reference_examples():
 @pytest.mark.parametrize('shots,dims', [(2, 8), (30, 8)])  # Fewer and more points than dims.
 def test_fewshot_is_ridge_regression_on_the_shots_of_each_class(shots, dims):
   reference, evaluated = _clusters(2, 300, dims), _clusters(3, 50, dims)
-  evaluator = evaluators.FewShot(shots=shots, l2=3.0, seed=4)
+  evaluator = fewshot.FewShot(shots=shots, l2=3.0, seed=4)
   got = _score(evaluator, reference, evaluated)
   # The same shots (the seed's draw), the regression solved as least squares with the ridge
   # term as extra rows: min |Xw - Y|^2 + l2 |w|^2.

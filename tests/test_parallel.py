@@ -13,10 +13,10 @@ import pytest
 from configs import default
 from core import errors
 from data_sources import base
+import evaluators
 import input_pipeline
-from training import evaluators
-from training import run_spec
 from tests.helpers import build
+from training import run_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

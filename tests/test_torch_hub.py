@@ -146,7 +146,7 @@ def test_torchvision_weights_by_name_load_from_torch_hubs_cache(cache):
   torch_model = torchvision.models.resnet18(num_classes=1000)
   timm_models.randomise(torch_model)
   cache.mkdir(parents=True)
-  torch.save(torch_model.state_dict(), cache / os.path.basename(torch_hub.url(name)))
+  torch.save(torch_model.state_dict(), cache / os.path.basename(torch_hub.torchvision_url(name)))
   model = create_backbone('resnet18', image_shape=(64, 64, 3), num_classes=1000)
   assert load_weights(model, 'resnet18', name)[1] == []
   timm_models.assert_same_logits(torch_model, model, timm_models.images(64, 64))

@@ -12,18 +12,18 @@ import pytest
 from configs import default
 from data_sources import base
 from data_sources import tfds_source
+import evaluators
 import input_pipeline
 import preprocessing
+from tests.helpers.build import INFO
+from tests.helpers.build import create
+from tests.helpers.build import random_batch
 import train
 from training import evaluation
-from training import evaluators
 from training import optimizers
 from training import parallel
 from training import run_spec
 from training import state as state_lib
-from tests.helpers.build import INFO
-from tests.helpers.build import create
-from tests.helpers.build import random_batch
 
 NO_OPS = preprocessing.parse('')  # Pixels scaled to [0, 1], nothing else.
 

@@ -22,8 +22,8 @@ import numpy as np
 from core import errors
 from core import progress
 from data_sources import base
+import evaluators as evaluators_lib
 import preprocessing
-from training import evaluators as evaluators_lib
 from training import parallel
 from training import state as state_lib
 

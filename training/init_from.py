@@ -117,15 +117,18 @@ class HubWeights(_PyTorchWeights):
 @dataclasses.dataclass(frozen=True)
 class UrlWeights(_PyTorchWeights):
   url: str = ''
+  torchvision: bool = False  # torchvision's weights by name, which know their preprocessing.
 
   @functools.cached_property
   def file(self) -> str:
     return torch_hub.download(
-        self.path, check=lambda file: weights.read_state_dict(file, self.path, named=self.url))
+        self.path, self.url,
+        check=lambda file: weights.read_state_dict(file, self.path, named=self.url))
 
   def pretrained_cfg(self, registered: dict) -> tuple[dict, str]:
-    if (own := torch_hub.pretrained_cfg(self.path)) is not None:
-      return own, 'the torchvision weights\' transforms()'
+    if self.torchvision:
+      return (torch_hub.torchvision_pretrained_cfg(self.path),
+              'the torchvision weights\' transforms()')
     return super().pretrained_cfg(registered)
 
 
@@ -169,8 +172,10 @@ def parse(path: str | None, exclude: tuple[str, ...] = (),
   if path.startswith(hub.HUB_PREFIX) or _is_timm_name(path):
     repo_id, revision = hub.parse(path)
     return HubWeights(**options, repo_id=repo_id, revision=revision)
-  if path.startswith(torch_hub.URL_PREFIXES) or path.startswith(torch_hub.TORCHVISION_PREFIX):
-    return UrlWeights(**options, url=torch_hub.url(path))
+  if path.startswith(torch_hub.TORCHVISION_PREFIX):
+    return UrlWeights(**options, url=torch_hub.torchvision_url(path), torchvision=True)
+  if path.startswith(torch_hub.URL_PREFIXES):
+    return UrlWeights(**options, url=torch_hub.checked_url(path, path))
   if path.lower().endswith(hub.FILE_SUFFIXES):
     if not os.path.isfile(path):
       raise errors.ConfigError(

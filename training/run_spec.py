@@ -26,13 +26,13 @@ from core import config_values
 from core import errors
 import data_sources
 from data_sources import base
+import evaluators
 import input_pipeline
 import kernels
 import models
 import preprocessing
 from preprocessing import crop
 from training import evaluation
-from training import evaluators
 from training import init_from
 from training import loggers
 from training import losses

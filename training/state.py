@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import optax
 
 from data_sources import base
+import evaluators as evaluators_lib
 import models
 import preprocessing
-from training import evaluators as evaluators_lib
 from training import losses
 from training import optimizers
 from training import parallel

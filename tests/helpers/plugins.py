@@ -16,10 +16,10 @@ import optax
 from configs import default
 import data_sources
 from data_sources import base
+import evaluators
 import models
-import preprocessing
 from modes import export
-from training import evaluators
+import preprocessing
 from training import loggers
 from training import losses
 from training import optimizers
