@@ -31,7 +31,8 @@ from core import runtime  # First, as in main.py: a later triton import segfault
 import jax, numpy as np
 from flax import nnx
 import input_pipeline
-from training import evaluation, evaluators, parallel, run_spec, state as state_lib
+import evaluators
+from training import evaluation, parallel, run_spec, state as state_lib
 from configs import default
 
 config = default.get_config()
