@@ -99,19 +99,20 @@ KEY_MAP = (
 
 class SqueezeExcite(nnx.Module):
   """Channel attention (Hu et al. 2018): the features' means through a 1x1 convolution to
-  `reduced` features, the block's activation, a 1x1 convolution back and a sigmoid gate scale
-  the features."""
+  `reduced` features, `activation` (EfficientNet's: the block's), a 1x1 convolution back and
+  the `gate` (a sigmoid; MobileNetV3's: a hard sigmoid) scale the features."""
 
   def __init__(self, features: int, reduced: int, activation: Callable[[jax.Array], jax.Array],
-               *, layers: kernels.Layers, rngs: nnx.Rngs):
+               *, layers: kernels.Layers, rngs: nnx.Rngs,
+               gate: Callable[[jax.Array], jax.Array] = nnx.sigmoid):
     self.conv_reduce = common.conv(layers, features, reduced, 1, use_bias=True, rngs=rngs)
     self.conv_expand = common.conv(layers, reduced, features, 1, use_bias=True, rngs=rngs)
-    self.activation = activation
+    self.activation, self.gate = activation, gate
 
   def __call__(self, x: jax.Array) -> jax.Array:
     scale = self.conv_expand(self.activation(self.conv_reduce(x.mean(axis=(1, 2),
                                                                       keepdims=True))))
-    return x * nnx.sigmoid(scale)
+    return x * self.gate(scale)
 
 
 @dataclasses.dataclass(frozen=True)

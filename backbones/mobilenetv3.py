@@ -122,20 +122,6 @@ def torchvision_key_map(stages: tuple[tuple[Blocks, ...], ...]) -> tuple:
           *weights.linear_rules(r'classifier\.3', 'classifier'))
 
 
-class SqueezeExcite(nnx.Module):
-  """Channel attention (Hu et al. 2018) as MobileNetV3's: the features' means through a 1x1
-  convolution to `reduced` features, ReLU, a 1x1 convolution back and a hard-sigmoid gate scale
-  the features."""
-
-  def __init__(self, features: int, reduced: int, *, layers: kernels.Layers, rngs: nnx.Rngs):
-    self.conv_reduce = common.conv(layers, features, reduced, 1, use_bias=True, rngs=rngs)
-    self.conv_expand = common.conv(layers, reduced, features, 1, use_bias=True, rngs=rngs)
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    scale = self.conv_expand(nnx.relu(self.conv_reduce(x.mean(axis=(1, 2), keepdims=True))))
-    return x * hard_sigmoid(scale)
-
-
 class MBConv(nnx.Module):
   """A mobile inverted bottleneck: a 1x1 expansion by `expand_ratio` (none when 1) and a
   depthwise convolution with the stride, each batch-normalised and activated, optional
@@ -154,8 +140,10 @@ class MBConv(nnx.Module):
     self.conv_dw = common.conv(layers, hidden, hidden, spec.kernel_size, stride=stride,
                                groups=hidden, rngs=rngs)
     self.bn_dw = common.batch_norm(layers, hidden, rngs=rngs, epsilon=epsilon)
-    self.se = (SqueezeExcite(hidden, common.make_divisible(hidden * _SE_RATIO), layers=layers,
-                             rngs=rngs) if spec.squeeze_excite else None)
+    # MobileNetV3's squeeze-and-excitation: ReLU inside, a hard-sigmoid gate.
+    self.se = (efficientnet.SqueezeExcite(hidden, common.make_divisible(hidden * _SE_RATIO),
+                                          nnx.relu, gate=hard_sigmoid, layers=layers, rngs=rngs)
+               if spec.squeeze_excite else None)
     self.conv_projection = common.conv(layers, hidden, spec.out_features, 1, rngs=rngs)
     self.bn_projection = common.batch_norm(layers, spec.out_features, rngs=rngs,
                                            epsilon=epsilon)

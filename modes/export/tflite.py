@@ -36,16 +36,13 @@ class TFLite(export.Format):
       file.write(converted)
 
   def run(self, path: str, images: np.ndarray) -> np.ndarray:
-    interpreter = export.require('ai_edge_litert.interpreter', 'tflite').Interpreter(
-        model_path=path)
-    return interpreter.get_signature_runner()(images=images)['logits']
+    return _signature_runner(path)(images=images)['logits']
 
   def card_fields(self, classifier: export.Classifier, path: str) -> dict:
     """Its signature, and what a device that runs it needs to know: the file's size, and the
     interpreter's speed on one image at a time (LiteRT's default threads, this machine's
     CPU: `processor`), after a warm-up."""
-    runner = export.require('ai_edge_litert.interpreter', 'tflite').Interpreter(
-        model_path=path).get_signature_runner()
+    runner = _signature_runner(path)
     image = np.zeros((1, *classifier.info.image_shape), np.uint8)
     for _ in range(_WARMUP_CALLS):
       runner(images=image)
@@ -58,3 +55,9 @@ class TFLite(export.Format):
             'interpreter_images_per_second_batch_1': round(
                 calls / (time.perf_counter() - start), 1),
             'processor': provenance.processor()}
+
+
+def _signature_runner(path: str):
+  """LiteRT's runner of the serving_default signature of the TFLite file at `path`."""
+  return export.require('ai_edge_litert.interpreter', 'tflite').Interpreter(
+      model_path=path).get_signature_runner()
