@@ -90,9 +90,9 @@ CONFIGURATIONS = ('jax_auto', 'jax_off', 'torch_eager', 'torch_compile', 'onnxru
 # By --task, then --device. ONNX Runtime and LiteRT run the app's exports: inference only.
 DEFAULT_CONFIGURATIONS = {
     'train': {'cpu': CONFIGURATIONS[:4], 'cuda': ('jax_off', 'torch_eager', 'torch_compile'),
-              'tpu': ('jax_off', 'big_vision')},
+              'tpu': ('jax_auto', 'big_vision')},
     'inference': {'cpu': CONFIGURATIONS[:6],
-                  'cuda': ('jax_off', 'torch_eager', 'torch_compile'), 'tpu': ('jax_off',)}}
+                  'cuda': ('jax_off', 'torch_eager', 'torch_compile'), 'tpu': ('jax_auto',)}}
 # big_vision's name of each ViT it can build, by timm's name.
 BIG_VISION_VARIANTS = {'vit_tiny_patch16_224': 'Ti/16', 'vit_small_patch16_224': 'S/16',
                        'vit_base_patch16_224': 'B/16', 'vit_large_patch16_224': 'L/16'}
