@@ -130,9 +130,10 @@ def run_child(command: Sequence[str], *, env: dict[str, str] | None = None, echo
 
 
 def jax_child_env(device: str) -> dict[str, str]:
-  """The environment of a child that runs JAX on `device` ('cpu' or 'cuda'): a JAX without its
-  CUDA plugin would otherwise run a 'cuda' measurement on the CPU."""
-  return {**os.environ, 'JAX_PLATFORMS': device}
+  """The environment of a child that runs JAX on `device` ('cpu', 'cuda' or 'tpu'), the CPU
+  beside it as in a user's process: a JAX without its CUDA plugin would otherwise run a 'cuda'
+  measurement on the CPU."""
+  return {**os.environ, 'JAX_PLATFORMS': device if device == 'cpu' else f'{device},cpu'}
 
 
 def json_child(command: Sequence[str], env: dict[str, str] | None = None) -> tuple[dict, Child]:

@@ -143,11 +143,12 @@ class Planned:
     are copied over: XLA:TPU took 22-38 s to compile a ViT's initialisation, XLA:CPU 7 s
     (docs/accelerators.md). The random numbers are the same on either (threefry's bits).
     """
+    host = _host_cpu()
     if on_host is None:
       on_host = jax.default_backend() != 'cpu'
-    if not on_host:
+    if not on_host or host is None:
       return self._merged(run_once(self._build))
-    with jax.default_device(jax.devices('cpu')[0]):
+    with jax.default_device(host):
       arrays = run_once(self._build_on_host)
     return self._merged(jax.device_put(arrays, self._shardings))
 
@@ -197,6 +198,14 @@ def run_once(function: Callable, *args):
   if not hasattr(function, 'lower'):
     function = nnx.jit(function)
   return function.lower(*args).compile({'xla_backend_optimization_level': 0})(*args)
+
+
+def _host_cpu() -> jax.Device | None:
+  """This process's first CPU device; None where $JAX_PLATFORMS leaves the CPU out."""
+  try:
+    return jax.local_devices(backend='cpu')[0]
+  except RuntimeError:
+    return None
 
 
 def _sharding(shape: tuple[int, ...]) -> jax.sharding.Sharding:
