@@ -1,6 +1,8 @@
 """The XLA:CPU layers equal flax's stock layers, in the cases they speed up and in every other
 case (which they leave to the stock computation), and are chosen in one place."""
 
+import math
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -11,6 +13,7 @@ from core import errors
 import kernels
 from kernels import cpu
 from kernels import gpu
+from kernels import tpu
 from tests.helpers import small_backbones  # pylint: disable=unused-import  (registers them)
 from tests.helpers.build import create_backbone
 from training import state as state_lib
@@ -31,8 +34,8 @@ def _built(layer, *args, **kwargs) -> nnx.Module:
 def test_select_layers_by_backend_and_switch():
   assert kernels.select_layers('auto', 'cpu') is kernels.CPU_LAYERS
   assert kernels.select_layers('auto', 'gpu') is kernels.GPU_LAYERS
-  assert kernels.select_layers('auto', 'tpu') is kernels.STOCK_LAYERS
-  for backend in ('cpu', 'gpu'):
+  assert kernels.select_layers('auto', 'tpu') is kernels.TPU_LAYERS
+  for backend in ('cpu', 'gpu', 'tpu'):
     assert kernels.select_layers('off', backend) is kernels.STOCK_LAYERS
   with pytest.raises(errors.ConfigError) as error:
     kernels.select_layers('on', 'cpu')
@@ -306,6 +309,52 @@ def test_attention_computes_every_other_case_as_the_stock_function(dtype, option
   mask = jnp.tril(jnp.ones((17, 17), bool))
   np.testing.assert_array_equal(cpu.dot_product_attention(*qkv, mask=mask),
                                 jax.nn.dot_product_attention(*qkv, mask=mask))
+
+
+def test_tpu_attention_stores_its_scores_in_bfloat16_and_computes_the_stock_function():
+  *qkv, cotangent = _attention_inputs(jnp.bfloat16)
+  query, key, value = qkv
+  scores = jnp.einsum('btnh,bsnh->bnts', query * jnp.asarray(8 ** -0.5, jnp.bfloat16), key)
+  assert scores.dtype == jnp.bfloat16  # What it stores; the softmax reads them in float32:
+  probabilities = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(tpu.dot_product_attention(*qkv),
+                                jnp.einsum('bnts,bsnh->btnh', probabilities, value))
+  # Within bfloat16's rounding of the stock function, forward and backward.
+  wide = lambda x: np.asarray(x, np.float32)
+  np.testing.assert_allclose(wide(tpu.dot_product_attention(*qkv)),
+                             wide(jax.nn.dot_product_attention(*qkv)), atol=0.05)
+  loss = lambda f: lambda *qkv: jnp.vdot(f(*qkv).astype(jnp.float32), cotangent)
+  for fast, stock in zip(jax.grad(loss(tpu.dot_product_attention), argnums=(0, 1, 2))(*qkv),
+                         jax.grad(loss(jax.nn.dot_product_attention), argnums=(0, 1, 2))(*qkv)):
+    np.testing.assert_allclose(wide(fast), wide(stock), rtol=0.05, atol=0.1)
+  # Float32 inputs, a mask or an option: the stock function.
+  *qkv32, _ = _attention_inputs()
+  np.testing.assert_array_equal(tpu.dot_product_attention(*qkv32),
+                                jax.nn.dot_product_attention(*qkv32))
+  mask = jnp.tril(jnp.ones((17, 17), bool))
+  np.testing.assert_array_equal(tpu.dot_product_attention(*qkv, mask=mask),
+                                jax.nn.dot_product_attention(*qkv, mask=mask))
+  np.testing.assert_array_equal(tpu.dot_product_attention(*qkv, is_causal=True),
+                                jax.nn.dot_product_attention(*qkv, is_causal=True))
+
+
+def test_tpu_gelu_on_bfloat16_is_nearer_the_true_gelu_than_erf_in_bfloat16():
+  # Every bfloat16 in [-10, 10]; the true GELU in float64 (NumPy's erf through math.erf).
+  top = int(np.float32(10).view(np.uint32) >> 16)  # The high 16 bits of 10.0: a bfloat16.
+  bits = np.concatenate([np.arange(top + 1), np.arange(top + 1) | 0x8000]).astype(np.uint32)
+  x = jnp.asarray((bits << 16).view(np.float32)).astype(jnp.bfloat16)
+  wide = np.asarray(x, np.float64)
+  true = wide * 0.5 * (1 + np.vectorize(math.erf)(wide / math.sqrt(2)))
+  rounded = np.asarray(jnp.asarray(true, jnp.float32).astype(jnp.bfloat16), np.float64)
+  fast = np.asarray(tpu.gelu(x), np.float64)
+  erf_in_bfloat16 = np.asarray(jax.nn.gelu(x, approximate=False), np.float64)
+  assert tpu.gelu(x).dtype == jnp.bfloat16
+  assert np.abs(fast - true).mean() < np.abs(erf_in_bfloat16 - true).mean()
+  assert np.abs(fast - true).max() <= np.abs(erf_in_bfloat16 - true).max()
+  assert (fast == rounded).mean() > 0.85
+  # Float32 inputs: the exact GELU.
+  x32 = 3 * _normal(4, (64,))
+  np.testing.assert_array_equal(tpu.gelu(x32), jax.nn.gelu(x32, approximate=False))
 
 
 def _input_sized_residuals(function, x: jax.Array) -> list[jax.Array]:

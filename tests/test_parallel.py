@@ -196,3 +196,61 @@ def test_two_processes_count_every_example_of_an_odd_split_once(tfds_data_dir, m
   assert batches_0 == batches_1 == 7  # 7 local batches of 8 each: the same number of steps.
   assert count_0 + count_1 == size
   np.testing.assert_array_equal(np.concatenate([real_0, real_1]), whole)
+
+
+# Builds ViT-Ti's fine-tuning state (AdamW, EMA) on 4 CPU devices, over the devices and on the
+# host (as on an accelerator: `Planned.build(on_host=True)`), replicated and with FSDP. Prints
+# JSON: whether values and shardings are equal, the devices of the host's arrays, and whether
+# the mesh in force is the same after.
+_HOST_BUILD_SCRIPT = r'''
+import json
+from core import runtime
+import jax, numpy as np
+from flax import nnx
+from configs import finetune
+from data_sources import base
+from training import parallel, run_spec, state as state_lib
+
+config = finetune.get_config()
+config.model = 'vit_tiny_patch16_224'
+run = run_spec.resolve(config)
+info = base.DatasetInfo('random', (32, 32, 3), 10, 80, 0)
+host_devices = []
+device_put = jax.device_put
+jax.device_put = lambda x, s: (host_devices.extend(
+    len(leaf.sharding.device_set) for leaf in jax.tree.leaves(x)), device_put(x, s))[1]
+key_data = lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+out = {}
+for fsdp in (1, 2):
+  mesh = parallel.create_mesh(fsdp=fsdp)
+  with jax.set_mesh(mesh):
+    planned = state_lib.plan(run.model, info, run.optimization,
+                             run.optimization.learning_rate_schedule(10), seed=0,
+                             ema_decay=run.ema_decay)
+    on_devices, on_host = planned.build(), planned.build(on_host=True)
+    mesh_after = jax.sharding.get_mesh()
+  pairs = list(zip(jax.tree.leaves(nnx.state(on_devices)), jax.tree.leaves(nnx.state(on_host))))
+  out[fsdp] = {'arrays': len(pairs),
+               'equal': all(np.array_equal(key_data(a), key_data(b)) for a, b in pairs),
+               'same_shardings': all(a.sharding == b.sharding for a, b in pairs),
+               'split_arrays': sum(a.sharding.spec != b.sharding.spec or
+                                   not a.sharding.is_fully_replicated for a, b in pairs),
+               'mesh_kept': mesh_after == mesh}
+out['host_devices'] = sorted(set(host_devices))
+print('RESULT', json.dumps(out))
+'''
+
+
+@pytest.mark.slow
+def test_a_state_built_on_the_host_equals_one_built_over_the_devices():
+  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=4',
+         'JAX_PLATFORMS': 'cpu'}
+  result = subprocess.run([sys.executable, '-c', _HOST_BUILD_SCRIPT], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = json.loads(result.stdout.split('RESULT ')[-1])
+  assert out['host_devices'] == [1]  # Computed on the host's one device, then placed.
+  for fsdp in ('1', '2'):
+    assert out[fsdp]['arrays'] > 100
+    assert out[fsdp]['equal'] and out[fsdp]['same_shardings'] and out[fsdp]['mesh_kept']
+  assert out['1']['split_arrays'] == 0 and out['2']['split_arrays'] > 0

@@ -131,7 +131,7 @@ class Planned:
     shardings = jax.tree.map(lambda leaf: _sharding(leaf.shape), shapes)
     self._shardings = shardings
     self._build = jax.jit(create_arrays, out_shardings=shardings)
-    self._build_on_host = jax.jit(create_arrays)
+    self._create_arrays = create_arrays
     self.abstract = self._merged(jax.tree.map(
         lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
         shapes, shardings))
@@ -148,8 +148,10 @@ class Planned:
       on_host = jax.default_backend() != 'cpu'
     if not on_host or host is None:
       return self._merged(run_once(self._build))
-    with jax.default_device(host):
-      arrays = run_once(self._build_on_host)
+    # Under a mesh of the host alone: the mesh in force would place the program over the
+    # accelerators, whatever the default device.
+    with jax.set_mesh(jax.sharding.Mesh([host], ('host',))):
+      arrays = run_once(jax.jit(self._create_arrays))
     return self._merged(jax.device_put(arrays, self._shardings))
 
   def _merged(self, arrays: nnx.State) -> 'TrainState':
