@@ -1,16 +1,19 @@
-"""The operations of a compiled XLA module, read from its HLO text: shape, pass, tracing
-function and matmul FLOPs of each. `benchmarks/step_profile.py` joins them to a trace's events.
+"""The operations of a compiled XLA module, read from its HLO text (shape, pass, tracing
+function and matmul FLOPs of each) or from a profiler trace, whose events
+`benchmarks/step_profile.py` joins to them (on an accelerator, the trace describes them itself).
 
 Kept apart from that script (which defines absl flags at import) so tests can import it beside
 the other benchmarks, whose flags share names (`--steps`).
 """
 
 import collections
+import glob
 import os
 import re
 from typing import NamedTuple
 
 import numpy as np
+from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 
 class Operation(NamedTuple):
@@ -67,3 +70,65 @@ def operations(hlo_text: str) -> dict[str, Operation]:
     found[name] = Operation(shape, bool(op_name and 'transpose(' in op_name.group(1)),
                             traced_by(frame.group(1)) if frame else '', flops)
   return found
+
+
+def read_trace(path: str) -> xplane_pb2.XSpace:
+  """The trace's XPlane protobuf at `path`: a file, or the one file under a trace directory."""
+  if os.path.isdir(path):
+    path, = glob.glob(os.path.join(path, '**', '*.xplane.pb'), recursive=True)
+  space = xplane_pb2.XSpace()
+  with open(path, 'rb') as file:
+    space.ParseFromString(file.read())
+  return space
+
+
+def host_events(space: xplane_pb2.XSpace) -> dict[str, float]:
+  """{operation name: total picoseconds} over the CPU threads' events: XLA:CPU names each by
+  its HLO instruction, alone or at the head of the instruction's text."""
+  totals = collections.Counter()
+  for plane in space.planes:
+    names = {key: re.match(r'%?([^ ]*)', metadata.name).group(1)
+             for key, metadata in plane.event_metadata.items()}
+    for line in plane.lines:
+      for event in line.events:
+        totals[names.get(event.metadata_id, '')] += event.duration_ps
+  return totals
+
+
+def device_operations(space: xplane_pb2.XSpace,
+                      steps: int) -> list[tuple[float, str, Operation]]:
+  """(ms per step, name, Operation) of every operation on an accelerator's 'XLA Ops' line
+  ([] without one), as the trace itself describes each: XLA:TPU records the instruction's
+  shape, FLOPs, the op's JAX name (backward ops under `transpose`) and its Python source, of
+  which the innermost frame outside the installed libraries is kept. Read from the trace, not
+  the HLO text: the compiled module names more operations than its entry computation's lines
+  give shapes for (multi-output fusions have tuple shapes)."""
+  rows = []
+  for plane in space.planes:
+    lines = [line for line in plane.lines if line.name == 'XLA Ops']
+    if not plane.name.startswith('/device:') or not lines:
+      continue
+    stat_names = {key: metadata.name for key, metadata in plane.stat_metadata.items()}
+    totals = collections.Counter()
+    for event in lines[0].events:
+      totals[event.metadata_id] += event.duration_ps
+    for key, picoseconds in totals.items():
+      metadata = plane.event_metadata[key]
+      stats = {stat_names.get(stat.metadata_id): stat.str_value or stat.int64_value
+               or stat.uint64_value or stat.double_value for stat in metadata.stats}
+      frames = str(stats.get('source_stack') or stats.get('source') or '').splitlines()
+      own = [frame for frame in frames if not re.search(r'(site|dist)-packages|/jax/|/flax/',
+                                                         frame)]
+      source = os.path.basename((own or frames or [''])[0].rsplit(':', 1)[0]) if frames else ''
+      rows.append((picoseconds / 1e9 / steps, metadata.display_name or metadata.name,
+                   Operation(re.sub(r'\{[^}]*\}', '', str(stats.get('shape_with_layout', ''))),
+                             'transpose' in str(stats.get('tf_op', '')), source,
+                             float(stats.get('flops') or 0)
+                             if 'convolution' in str(stats.get('hlo_category')) else 0.0)))
+  return sorted(rows, reverse=True)
+
+
+def traced_steps(space: xplane_pb2.XSpace) -> int:
+  """How many steps an accelerator's trace holds (its 'Steps' line); 0 if it has none."""
+  return max((len(line.events) for plane in space.planes if plane.name.startswith('/device:')
+              for line in plane.lines if line.name == 'Steps'), default=0)

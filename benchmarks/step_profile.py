@@ -13,6 +13,12 @@ step: milliseconds per step, its share of the step's wall time, its output shape
 (forward, or backward: JAX's `transpose(jvp(...))`), the Python function that traced it (from
 the HLO's stack frames) and, for matmuls, the GFLOP/s they reach against a 2048x2048 matmul's
 in the same process. --json writes the step times and every operation (`harness.write_json`).
+
+On an accelerator, the trace describes each operation itself (XLA:TPU's 'XLA Ops' line: its
+shape, FLOPs, JAX name and Python source line), and the rows are read from it. A trace kept with
+--keep_trace is read again, without running anything, by --trace:
+
+    python -m benchmarks.step_profile --trace=vit_small.xplane.pb --rows=30
 """
 
 import collections
@@ -32,7 +38,6 @@ import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
-from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top
 
 from benchmarks import harness  # pylint: disable=g-import-not-at-top
 from benchmarks import hlo  # pylint: disable=g-import-not-at-top
@@ -50,27 +55,10 @@ flags.DEFINE_integer('repeats', 5, 'Untraced timings of --steps steps (min and m
 flags.DEFINE_list('image_shape', ['28', '28', '1'], "The batches' images: height, width, channels.")
 flags.DEFINE_integer('num_classes', 10, 'Classes of the head.', lower_bound=2)
 flags.DEFINE_string('json', None, 'Where to write the figures (optional).')
+flags.DEFINE_string('trace', None, 'Read this kept trace (--keep_trace) instead of running '
+                    "a step: its accelerator's operations.")
 flags.DEFINE_string('keep_trace', None, "Where to copy the trace's XPlane file (optional), for "
                     'TensorBoard or a second look.')
-
-def events(trace_dir: str) -> dict[str, float]:
-  """{operation name: total picoseconds} over the trace's events: an accelerator's own planes
-  ('/device:TPU:0', ...) where it has them, else the CPU threads' events. An event is named by
-  its HLO instruction, alone or at the head of the instruction's text."""
-  path, = glob.glob(os.path.join(trace_dir, '**', '*.xplane.pb'), recursive=True)
-  space = xplane_pb2.XSpace()
-  with open(path, 'rb') as file:
-    space.ParseFromString(file.read())
-  device_planes = [plane for plane in space.planes if plane.name.startswith('/device:')]
-  totals = collections.Counter()
-  for plane in device_planes or space.planes:
-    names = {key: re.match(r'%?([^ ]*)', metadata.name).group(1)
-             for key, metadata in plane.event_metadata.items()}
-    for line in plane.lines:
-      for event in line.events:
-        totals[names.get(event.metadata_id, '')] += event.duration_ps
-  return totals
-
 
 def print_by_function(rows: list[tuple[float, str, hlo.Operation]], step_ms: float) -> None:
   """The same operations summed by the function that traced them, pass and kind (a matmul, or
@@ -90,9 +78,10 @@ def print_by_function(rows: list[tuple[float, str, hlo.Operation]], step_ms: flo
            groups.items(), key=lambda item: -item[1][0])[:FLAGS.rows]], align='lllrrrr'))
 
 
-def main(argv):
-  del argv
-  config = FLAGS.config
+def profile(config) -> tuple[object, list[tuple[float, str, hlo.Operation]], str,
+                             dict]:
+  """Builds `config`'s state and train step, times and traces it: the trace, its operations,
+  a line saying what was run and how long its steps took, and those figures for --json."""
   run = run_spec.resolve(config)
   info = base.DatasetInfo('random', tuple(int(n) for n in FLAGS.image_shape), FLAGS.num_classes,
                           60_000, 10_000)
@@ -132,19 +121,38 @@ def main(argv):
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir, profiler_options=options):
       step_ms, = ms_per_step(1)
-    totals = events(trace_dir)
+    space = hlo.read_trace(trace_dir)
     if FLAGS.keep_trace:
       shutil.copy(*glob.glob(os.path.join(trace_dir, '**', '*.xplane.pb'), recursive=True),
                   FLAGS.keep_trace)
+  rows = hlo.device_operations(space, FLAGS.steps) or sorted(
+      ((picoseconds / 1e9 / FLAGS.steps, name, operations[name])
+       for name, picoseconds in hlo.host_events(space).items() if name in operations), reverse=True)
   peak = harness.matmul_flops_per_sec() / 1e9
-  rows = sorted(((picoseconds / 1e9 / FLAGS.steps, name, operations[name])
-                 for name, picoseconds in totals.items() if name in operations), reverse=True)
-  print(f'{config.model}, batch {config.batch_size}, cpu_kernels={config.cpu_kernels}, '
-        f'{config.compute_dtype}, images {info.image_shape}: {untraced[0]:.1f} ms per step '
-        f'untraced (min of {FLAGS.repeats} x {FLAGS.steps}; median '
-        f'{untraced[len(untraced) // 2]:.1f}), {step_ms:.1f} ms traced, '
-        f'{sum(row[0] for row in rows):.1f} ms in {len(rows)} XLA operations; 2048x2048 matmul '
-        f'{peak:.0f} GFLOP/s')
+  summary = (f'{config.model}, batch {config.batch_size}, cpu_kernels={config.cpu_kernels}, '
+             f'{config.compute_dtype}, images {info.image_shape}: {untraced[0]:.1f} ms per step '
+             f'untraced (min of {FLAGS.repeats} x {FLAGS.steps}; median '
+             f'{untraced[len(untraced) // 2]:.1f}), {step_ms:.1f} ms traced; 2048x2048 matmul '
+             f'{peak:.0f} GFLOP/s')
+  return space, rows, summary, {
+      'model': config.model, 'batch_size': config.batch_size, 'image_shape': info.image_shape,
+      'untraced_ms_per_step': untraced, 'traced_ms_per_step': step_ms,
+      'matmul_peak_gflops': peak}
+
+
+def main(argv):
+  del argv
+  if FLAGS.trace:  # A trace kept before (--keep_trace): its accelerator's operations.
+    space = hlo.read_trace(FLAGS.trace)
+    steps = hlo.traced_steps(space) or FLAGS.steps
+    rows = hlo.device_operations(space, steps)
+    step_ms = sum(row[0] for row in rows)
+    summary, figures = (f'{FLAGS.trace}: {steps} steps, {step_ms:.1f} ms of device time a step',
+                        {'trace': FLAGS.trace, 'steps': steps, 'device_ms_per_step': step_ms})
+  else:
+    space, rows, summary, figures = profile(FLAGS.config)
+    step_ms = figures['traced_ms_per_step']
+  print(f'{summary}, {sum(row[0] for row in rows):.1f} ms in {len(rows)} XLA operations')
   rest = sum(row[0] for row in rows[FLAGS.rows:])
   print(harness.markdown_table(
       ['operation', 'ms per step', 'share', 'output', 'pass', 'traced by', 'GFLOP/s'],
@@ -163,12 +171,10 @@ def main(argv):
           f'{step_ms - matmul_ms:.1f} ms.')
   if not rows:  # The trace names its events otherwise: its busiest names, to match them.
     print('No traced event matched an operation of the step; the most time went to',
-          totals.most_common(10))
+          hlo.host_events(space).most_common(10))
   if FLAGS.json:
     harness.write_json(FLAGS.json, {
-        'model': config.model, 'batch_size': config.batch_size,
-        'image_shape': info.image_shape, 'untraced_ms_per_step': untraced,
-        'traced_ms_per_step': step_ms, 'matmul_peak_gflops': peak,
+        **figures,
         'operations': [{'name': name, 'ms_per_step': ms, **operation._asdict()}
                        for ms, name, operation in rows]})
 

@@ -202,3 +202,41 @@ def test_step_profile_names_each_operation_and_counts_matmul_flops():
   # The gradient's program runs the forward matmul again, then dW = x^T @ dy.
   matmuls = sorted((op.backward, op.flops) for op in backward.values() if op.flops)
   assert matmuls == [(False, 2 * 64 * 32 * 16), (True, 2 * 64 * 32 * 16)]
+
+
+def test_step_profile_reads_an_accelerators_operations_from_its_trace(tmp_path):
+  from benchmarks import hlo  # pylint: disable=g-import-not-at-top
+  from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top
+  space = xplane_pb2.XSpace()
+  plane = space.planes.add(name='/device:TPU:0')
+  for key, name in enumerate(['hlo_category', 'flops', 'tf_op', 'source_stack',
+                              'shape_with_layout'], start=1):
+    plane.stat_metadata[key].name = name
+  operations = {  # id: (name, category, flops, JAX name, frames innermost first, shape)
+      1: ('fusion.1', 'convolution fusion', 1e9, 'jit(step)/transpose(jvp(dot_general))',
+          '/venv/lib/python3.11/site-packages/flax/nnx/nn/linear.py:422:8\n'
+          '/app/backbones/common.py:124:11', 'bf16[256,197,384]{2,1,0:T(8,128)(2,1)}'),
+      2: ('fusion.2', 'loop fusion', 5e6, 'jit(step)/jvp(exp)', '/app/backbones/vit.py:70:8',
+          '(f32[256,6,197]{2,1,0}, f32[256,6,197,197]{2,3,1,0})')}
+  for key, (name, category, flops, tf_op, frames, shape) in operations.items():
+    metadata = plane.event_metadata[key]
+    metadata.name, metadata.display_name = f'%{name} = ...', name
+    for stat_key, value in ((1, category), (3, tf_op), (4, frames), (5, shape)):
+      metadata.stats.add(metadata_id=stat_key, str_value=value)
+    metadata.stats.add(metadata_id=2, double_value=flops)
+  steps = plane.lines.add(name='Steps')
+  ops = plane.lines.add(name='XLA Ops')
+  for _ in range(2):  # Two steps: 3 ms and 1 ms a step.
+    steps.events.add(metadata_id=1, duration_ps=int(5e9))
+    ops.events.add(metadata_id=1, duration_ps=int(3e9))
+    ops.events.add(metadata_id=2, duration_ps=int(1e9))
+  path = tmp_path / 'trace.xplane.pb'
+  path.write_bytes(space.SerializeToString())
+  space = hlo.read_trace(str(path))
+  assert hlo.traced_steps(space) == 2
+  assert hlo.device_operations(space, 2) == [
+      (3.0, 'fusion.1', hlo.Operation('bf16[256,197,384]', True, 'common.py:124', 1e9)),
+      (1.0, 'fusion.2', hlo.Operation('(f32[256,6,197], f32[256,6,197,197])', False, 'vit.py:70',
+                                      0.0))]
+  # A trace of the CPU alone has no accelerator's operations.
+  assert hlo.device_operations(xplane_pb2.XSpace(), 2) == []
