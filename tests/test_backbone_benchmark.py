@@ -67,11 +67,11 @@ def test_the_big_vision_rows_are_left_out_and_said_so_without_a_checkout(tmp_pat
   chosen = types.SimpleNamespace(task='train', device='tpu', configurations=None,
                                  big_vision=str(tmp_path))  # No big_vision/models/vit.py.
   with mock.patch.object(backbones, 'FLAGS', chosen):
-    assert backbones.selected_configurations() == ['jax_off']
+    assert backbones.selected_configurations() == ['jax_auto']
     assert 'No big_vision rows' in capsys.readouterr().out
     (tmp_path / 'big_vision' / 'models').mkdir(parents=True)
     (tmp_path / 'big_vision' / 'models' / 'vit.py').touch()
-    assert backbones.selected_configurations() == ['jax_off', 'big_vision']
+    assert backbones.selected_configurations() == ['jax_auto', 'big_vision']
 
 
 # The whole benchmark at a toy size, one round: its toy ResNet (one basic block per stage, 8-32
