@@ -53,8 +53,8 @@ GPU (--device=cuda): JAX on its GPU backend (the venv needs jax[cuda]) with cpu_
 and PyTorch on CUDA; default configurations jax_off, torch_eager, torch_compile.
 `benchmarks/backbones_gpu.sh` is the prepared run.
 
-TPU (--device=tpu, the venv needs jax[tpu]): the app's step (jax_auto: kernels/tpu.py's layers) beside
-big_vision's, the JAX peer on TPUs:
+TPU (--device=tpu, the venv needs jax[tpu]): the app's step (jax_auto: kernels/tpu.py's
+layers) beside big_vision's, the JAX peer on TPUs:
   big_vision: `big_vision/models/vit.py` of a google-research/big_vision checkout (its root
       given by --big_vision; never imported by the app or its tests) with timm's class-token
       head (`pool_type='tok'`), matmuls in the dtype (`dtype_mm`), in a plain `jax.jit` step
