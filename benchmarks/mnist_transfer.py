@@ -7,11 +7,12 @@ digit, fine-tuned against from scratch.
 
 Pretrains `configs/default.py` on the training images of digits 0-4 (`--pretrain_epochs`,
 scored on their test images), then, for each size and seed, draws `size` of the 50 training
-images of each digit 5-9 (by the seed) and trains the recipe on them twice, the same command
-with and without `init_from` (the head re-initialised by itself: the source run's class names
-are other ones, which the run's log says and `head_renewed` records); both scored on all test
-images of 5-9 after every epoch. The recipe (`RECIPE`, or `--recipe`) is the one
-docs/fine_tuning.md gives for small folders. Each run is `python main.py` in its own process;
+images of each digit 5-9 (by the seed) and trains on them twice with the recipe
+docs/fine_tuning.md gives for small folders (`RECIPE`, or `--recipe`): from scratch, and
+fine-tuned from the source run (`init_from`, with `FINETUNE`'s flags or `--finetune`'s: its
+features frozen; the head re-initialised by itself: the source run's class names are other
+ones, which the run's log says and `head_renewed` records); both scored on all test images of
+5-9 after every epoch. Each run is `python main.py` in its own process;
 the figures are read from its metrics.jsonl, and written with the commands to `--out`
 (`harness.write_json`: with this command, the commit, the machine and the date), with two
 checks per size: whether every seed's fine-tuned run ends above its run from scratch, and the
@@ -36,14 +37,18 @@ flags.DEFINE_list('seeds', ['0'], 'The seeds of the digits 5-9 runs (config.seed
                   'images drawn for them.')
 flags.DEFINE_list('sizes', ['50'], 'Training images of each digit 5-9 (at most 50).')
 flags.DEFINE_integer('pretrain_epochs', 2, 'Epochs of the pretraining on digits 0-4.')
-flags.DEFINE_multi_string('recipe', None, 'A main.py flag of the digits 5-9 runs, once per flag '
-                          '(default: RECIPE).')
+flags.DEFINE_multi_string('recipe', None, 'A main.py flag of both arms of the digits 5-9 runs, '
+                          'once per flag (default: RECIPE).')
+flags.DEFINE_multi_string('finetune', None, 'A main.py flag of the fine-tuned arm alone, once '
+                          'per flag (default: FINETUNE).')
 flags.DEFINE_string('out', None, 'The JSON file of the figures.')
 flags.mark_flags_as_required(['folders', 'work', 'out'])
 
-# The recipe docs/fine_tuning.md gives for a small folder and a source run's frozen features.
-RECIPE = ['--config.batch_size=25', '--config.num_epochs=5',
-          "--config.freeze=('conv', 'batch_norm')"]
+# The recipe docs/fine_tuning.md gives for a small folder, from scratch or fine-tuned, and
+# what fine-tuning adds to it: the source run's convolutions and BatchNorms frozen.
+RECIPE = ['--config.batch_size=25', '--config.num_epochs=5', '--config.schedule=cosine',
+          '--config.warmup_epochs=1']
+FINETUNE = ["--config.freeze=('conv', 'batch_norm')"]
 
 
 def train(workdir: str, dataset: str, extra: list[str]) -> dict:
@@ -95,6 +100,7 @@ def main(argv):
   shutil.rmtree(FLAGS.work, ignore_errors=True)
   os.makedirs(FLAGS.work)
   recipe = FLAGS.recipe if FLAGS.recipe is not None else RECIPE
+  finetune = FLAGS.finetune if FLAGS.finetune is not None else FINETUNE
   pretrain = os.path.join(FLAGS.work, 'digits04')
   pretrained = train(pretrain, os.path.join(FLAGS.folders, 'digits04'),
                      [f'--config.num_epochs={FLAGS.pretrain_epochs}'])
@@ -102,7 +108,8 @@ def main(argv):
   for size in map(int, FLAGS.sizes):
     for seed in map(int, FLAGS.seeds):
       dataset = draw(FLAGS.folders, size, seed)
-      for arm, init in (('finetune', [f'--config.init_from={pretrain}']), ('scratch', [])):
+      for arm, init in (('finetune', [*finetune, f'--config.init_from={pretrain}']),
+                        ('scratch', [])):
         run = train(os.path.join(FLAGS.work, f'{arm}_{size}_seed{seed}'), dataset,
                     [*recipe, f'--config.seed={seed}', *init])
         runs.append({'arm': arm, 'size': size, 'seed': seed, **run})
@@ -119,6 +126,7 @@ def main(argv):
         'largest_loss_rise_after_best_epoch': max(loss_rise(run) for run in of_size)}
   harness.write_json(FLAGS.out, {
       'pretrain': {'epochs': FLAGS.pretrain_epochs, **pretrained}, 'recipe': recipe,
+      'finetune': finetune,
       'runs': runs, 'by_size': summary})
 
 
