@@ -1,0 +1,181 @@
+"""docs/fine_tuning.md's transfer table: digits 0-4 → 5-9 from 10, 20 or 50 images a digit,
+fine-tuned from a run of this app against from scratch, on MNIST or on generated photos.
+
+    python -m benchmarks.mnist_folders --out=/tmp/mf
+    python -m benchmarks.digit_transfer --kind=mnist --folders=/tmp/mf --work=/tmp/dt \
+      --seeds=0,1,2 --sizes=10,20,50 --out=docs/runs/digit_transfer_mnist.json
+    python -m benchmarks.digit_transfer --kind=photos --folders=/tmp/photos --work=/tmp/dt \
+      --seeds=0,1,2 --sizes=10,20,50 --out=docs/runs/digit_transfer_photos.json
+
+The two kinds (`KINDS`): MNIST's digits with `configs/default.py` (the folders written by
+benchmarks.mnist_folders: digits04, digits59), or photos of digits in random colours at random
+places, 200-260 px (`data_sources.generated`'s 'digits', written to --folders on first use:
+200 training and 100 test photos of each digit, the two splits drawn by two seeds) with
+`configs/images.py`. Pretrains the kind's config on the training images of digits 0-4
+(`--pretrain_epochs`, scored on their test images), then, for each size and seed, draws `size`
+training images of each digit 5-9 (by the seed) and trains on them twice with the recipe
+docs/fine_tuning.md gives for small folders (the kind's `recipe`, or `--recipe`): from scratch,
+and fine-tuned from the source run (`init_from`, every layer trained, or as `--finetune`'s flags
+say, e.g. some frozen; the head re-initialised by itself: the source run's class names are
+other ones, which the run's log says and `head_renewed` records); both scored on all test
+images of 5-9 after every epoch. Each run is `python main.py` in its own process; the
+figures are read from its metrics.jsonl, and written with the commands to `--out`
+(`harness.write_json`: with this command, the commit, the machine and the date), with two
+checks per size: whether every seed's fine-tuned run ends above its run from scratch, and the
+largest rise of a run's eval loss after its best epoch (at most 2x is asked of a recipe).
+"""
+
+import os
+import shlex
+import shutil
+import sys
+from typing import NamedTuple
+
+from absl import app
+from absl import flags
+import numpy as np
+
+from benchmarks import harness
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum('kind', 'mnist', ['mnist', 'photos'], 'MNIST or generated photos of digits.')
+flags.DEFINE_string('folders', None, "The kind's folders: benchmarks.mnist_folders's root for "
+                    'mnist; for photos, where they are written on first use.')
+flags.DEFINE_string('work', None, 'Where the runs\' workdirs and logs go (emptied first).')
+flags.DEFINE_list('seeds', ['0'], 'The seeds of the digits 5-9 runs (config.seed) and of the '
+                  'images drawn for them.')
+flags.DEFINE_list('sizes', ['50'], 'Training images of each digit 5-9 (at most 50 for mnist).')
+flags.DEFINE_list('arms', ['finetune', 'scratch'], 'Which of the two runs to train.')
+flags.DEFINE_integer('pretrain_epochs', None, "Epochs of the pretraining on digits 0-4 (the "
+                     "kind's by default).")
+flags.DEFINE_multi_string('recipe', None, 'A main.py flag of both arms of the digits 5-9 runs, '
+                          "once per flag (default: the kind's recipe).")
+flags.DEFINE_multi_string('finetune', [], 'A main.py flag of the fine-tuned arm alone, once '
+                          "per flag, e.g. --finetune=--config.freeze=('conv',) (default: none).")
+flags.DEFINE_string('out', None, 'The JSON file of the figures.')
+flags.mark_flags_as_required(['folders', 'work', 'out'])
+
+
+class Kind(NamedTuple):
+  """A kind of digit images: its config, its folders' names under --folders, the pretraining's
+  epochs and the recipe docs/fine_tuning.md gives for a small folder of it: the config's own
+  optimizer along a cosine schedule after a warm-up epoch (configs/images.py's already)."""
+  config: str
+  source: str
+  target: str
+  pretrain_epochs: int
+  recipe: list[str]
+
+
+KINDS = {
+    'mnist': Kind('configs/default.py', 'digits04', 'digits59', 2,
+                  ['--config.batch_size=25', '--config.num_epochs=5',
+                   '--config.schedule=cosine', '--config.warmup_epochs=1']),
+    'photos': Kind('configs/images.py', 'photos04', 'photos59', 20, []),
+}
+PHOTO_SIZES = (200, 260)  # Height and width of the generated photos, each drawn in this range.
+PHOTOS_PER_DIGIT = {'train': 200, 'test': 100}
+
+
+def write_photo_folders(root: str) -> None:
+  """Photos of digits (`generated.make_kind_folder`'s 'digits') in `root`/photos04 (digits 0-4)
+  and `root`/photos59 (5-9), each with PHOTOS_PER_DIGIT of every digit in train/ and test/, the
+  splits drawn by seeds 0 and 1."""
+  from data_sources import generated  # pylint: disable=g-import-not-at-top  (PIL, only here)
+  staging = os.path.join(root, 'all')
+  for seed, (split, count) in enumerate(PHOTOS_PER_DIGIT.items()):
+    generated.make_kind_folder(staging, 'digits', seed=seed, num_images=10 * count,
+                               image_sizes=PHOTO_SIZES, messy=False, split=split)
+    for digit in range(10):
+      target = os.path.join(root, 'photos04' if digit < 5 else 'photos59', split)
+      os.makedirs(target, exist_ok=True)
+      os.rename(os.path.join(staging, split, str(digit)), os.path.join(target, str(digit)))
+  shutil.rmtree(staging)
+
+
+def train(workdir: str, config: str, dataset: str, extra: list[str]) -> dict:
+  """Runs main.py with `config` on the image folder `dataset` (trained on its train/, scored on
+  its test/) and `extra` flags; returns the command, its wall time and each epoch's eval
+  accuracy and loss and train accuracy."""
+  args = [sys.executable, 'main.py', f'--config={config}', f'--workdir={workdir}',
+          '--config.data_source=folder', f'--config.dataset={dataset}',
+          '--config.train_split=train', '--config.eval_split=test', *extra]
+  child = harness.run_child(args, log_path=f'{workdir}.log')
+  metrics = harness.read_metrics(workdir)
+  epochs = [values for values in metrics if 'eval/accuracy' in values]
+  with open(f'{workdir}.log', encoding='utf-8') as log:
+    head_renewed = 'starts fresh' in log.read()
+  return {'command': shlex.join(['python', *args[1:]]), 'wall_s': round(child.seconds, 1),
+          'eval_accuracy': [epoch['eval/accuracy'] for epoch in epochs],
+          'eval_loss': [epoch['eval/loss'] for epoch in epochs],
+          # Over the steps since the last write: the whole epoch where an epoch has fewer steps
+          # than config.log_every_steps (every run on digits 5-9).
+          'train_accuracy': [values['train/accuracy'] for values in metrics
+                             if 'train/accuracy' in values],
+          'head_renewed': head_renewed}
+
+
+def draw(source: str, size: int, seed: int) -> str:
+  """A folder of `size` training images of each digit of `source`, drawn by `seed` (hard links),
+  and `source`'s test images: its root."""
+  root = os.path.join(FLAGS.work, f'{os.path.basename(source)}_{size}_seed{seed}')
+  rng = np.random.default_rng(seed)
+  for digit in sorted(os.listdir(os.path.join(source, 'train'))):
+    names = sorted(os.listdir(os.path.join(source, 'train', digit)))
+    if size > len(names):
+      raise app.UsageError(f'--sizes: digit {digit} has {len(names)} training images.')
+    os.makedirs(os.path.join(root, 'train', digit))
+    for name in rng.choice(names, size, replace=False):
+      os.link(os.path.join(source, 'train', digit, name),
+              os.path.join(root, 'train', digit, name))
+  os.symlink(os.path.join(os.path.abspath(source), 'test'), os.path.join(root, 'test'))
+  return root
+
+
+def loss_rise(run: dict) -> float:
+  """The eval loss after the last epoch over its lowest: how far it rose after its best epoch."""
+  return run['eval_loss'][-1] / min(run['eval_loss'])
+
+
+def main(argv):
+  del argv
+  kind = KINDS[FLAGS.kind]
+  if FLAGS.kind == 'photos' and not os.path.isdir(os.path.join(FLAGS.folders, kind.source)):
+    write_photo_folders(FLAGS.folders)
+  shutil.rmtree(FLAGS.work, ignore_errors=True)
+  os.makedirs(FLAGS.work)
+  recipe = FLAGS.recipe if FLAGS.recipe is not None else kind.recipe
+  pretrain_epochs = FLAGS.pretrain_epochs or kind.pretrain_epochs
+  pretrain = os.path.join(FLAGS.work, kind.source)
+  pretrained = train(pretrain, kind.config, os.path.join(FLAGS.folders, kind.source),
+                     [f'--config.num_epochs={pretrain_epochs}'])
+  runs, summary = [], {}
+  for size in map(int, FLAGS.sizes):
+    for seed in map(int, FLAGS.seeds):
+      dataset = draw(os.path.join(FLAGS.folders, kind.target), size, seed)
+      for arm, init in (('finetune', [*FLAGS.finetune, f'--config.init_from={pretrain}']),
+                        ('scratch', [])):
+        if arm not in FLAGS.arms:
+          continue
+        run = train(os.path.join(FLAGS.work, f'{arm}_{size}_seed{seed}'), kind.config, dataset,
+                    [*recipe, f'--config.seed={seed}', *init])
+        runs.append({'arm': arm, 'size': size, 'seed': seed, **run})
+        print(f'{size} a digit, {arm}, seed {seed}: eval accuracy by epoch '
+              f'{", ".join(f"{value:.4f}" for value in run["eval_accuracy"])}; loss '
+              f'{", ".join(f"{value:.3f}" for value in run["eval_loss"])}', flush=True)
+    of_size = [run for run in runs if run['size'] == size]
+    last = {arm: [run['eval_accuracy'][-1] for run in of_size if run['arm'] == arm]
+            for arm in FLAGS.arms}
+    summary[size] = {
+        'mean_last_epoch': {arm: sum(values) / len(values) for arm, values in last.items()},
+        'finetune_beats_scratch_every_seed': len(last) == 2 and all(
+            tuned > scratch for tuned, scratch in zip(last['finetune'], last['scratch'])),
+        'largest_loss_rise_after_best_epoch': max(loss_rise(run) for run in of_size)}
+  harness.write_json(FLAGS.out, {
+      'kind': FLAGS.kind, 'config': kind.config,
+      'pretrain': {'epochs': pretrain_epochs, **pretrained}, 'recipe': recipe,
+      'finetune': FLAGS.finetune, 'runs': runs, 'by_size': summary})
+
+
+if __name__ == '__main__':
+  app.run(main)
