@@ -2,16 +2,15 @@
 fine-tuned from a run of this app against from scratch, on MNIST or on generated photos.
 
     python -m benchmarks.mnist_folders --out=/tmp/mf
-    python -m benchmarks.digit_transfer --kind=mnist --folders=/tmp/mf --work=/tmp/dt \
-      --seeds=0,1,2 --sizes=10,20,50 --out=docs/runs/digit_transfer_mnist.json
-    python -m benchmarks.digit_transfer --kind=photos --folders=/tmp/photos --work=/tmp/dt \
-      --seeds=0,1,2 --sizes=10,20,50 --out=docs/runs/digit_transfer_photos.json
+    python -m benchmarks.digit_transfer --mnist_folders=/tmp/mf --photo_folders=/tmp/photos \
+      --work=/tmp/dt --seeds=0,1,2 --sizes=10,20,50 --out=docs/runs/digit_transfer.json
+    python -m benchmarks.digit_transfer --table=docs/runs/digit_transfer.json  # The docs' table.
 
-The two kinds (`KINDS`): MNIST's digits with `configs/default.py` (the folders written by
-benchmarks.mnist_folders: digits04, digits59), or photos of digits in random colours at random
-places, 200-260 px (`data_sources.generated`'s 'digits', written to --folders on first use:
+The two kinds (`KINDS`, `--kinds`): MNIST's digits with `configs/default.py` (the folders
+benchmarks.mnist_folders writes: digits04, digits59), and photos of digits in random colours at
+random places, 200-260 px (`data_sources.generated`'s 'digits', written on first use:
 200 training and 100 test photos of each digit, the two splits drawn by two seeds) with
-`configs/images.py`. Pretrains the kind's config on the training images of digits 0-4
+`configs/images.py`. For each kind, pretrains its config on the training images of digits 0-4
 (`--pretrain_epochs`, scored on their test images), then, for each size and seed, draws `size`
 training images of each digit 5-9 (by the seed) and trains on them twice with the recipe
 docs/fine_tuning.md gives for small folders (the kind's `recipe`, or `--recipe`): from scratch,
@@ -19,12 +18,14 @@ and fine-tuned from the source run (`init_from`, every layer trained, or as `--f
 say, e.g. some frozen; the head re-initialised by itself: the source run's class names are
 other ones, which the run's log says and `head_renewed` records); both scored on all test
 images of 5-9 after every epoch. Each run is `python main.py` in its own process; the
-figures are read from its metrics.jsonl, and written with the commands to `--out`
-(`harness.write_json`: with this command, the commit, the machine and the date), with two
-checks per size: whether every seed's fine-tuned run ends above its run from scratch, and the
-largest rise of a run's eval loss after its best epoch (at most 2x is asked of a recipe).
+figures are read from its metrics.jsonl, and written with the commands to `--out` after each
+kind (`harness.write_json`: with this command, the commit, the machine and the date), with two
+checks per kind and size: whether every seed's fine-tuned run ends above its run from scratch,
+and the largest rise of a run's eval loss after its best epoch (at most 2x is asked of a
+recipe). The table of docs/fine_tuning.md is printed at the end, and by `--table` from the JSON.
 """
 
+import json
 import os
 import shlex
 import shutil
@@ -38,9 +39,10 @@ import numpy as np
 from benchmarks import harness
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum('kind', 'mnist', ['mnist', 'photos'], 'MNIST or generated photos of digits.')
-flags.DEFINE_string('folders', None, "The kind's folders: benchmarks.mnist_folders's root for "
-                    'mnist; for photos, where they are written on first use.')
+flags.DEFINE_list('kinds', ['mnist', 'photos'], 'Kinds of digit images (KINDS).')
+flags.DEFINE_string('mnist_folders', None, "benchmarks.mnist_folders's root (for mnist).")
+flags.DEFINE_string('photo_folders', None, 'Where the photos are (written on first use).')
+flags.DEFINE_string('table', None, 'Print the table of this JSON artefact, and nothing else.')
 flags.DEFINE_string('work', None, 'Where the runs\' workdirs and logs go (emptied first).')
 flags.DEFINE_list('seeds', ['0'], 'The seeds of the digits 5-9 runs (config.seed) and of the '
                   'images drawn for them.')
@@ -53,7 +55,6 @@ flags.DEFINE_multi_string('recipe', None, 'A main.py flag of both arms of the di
 flags.DEFINE_multi_string('finetune', [], 'A main.py flag of the fine-tuned arm alone, once '
                           "per flag, e.g. --finetune=--config.freeze=('conv',) (default: none).")
 flags.DEFINE_string('out', None, 'The JSON file of the figures.')
-flags.mark_flags_as_required(['folders', 'work', 'out'])
 
 
 class Kind(NamedTuple):
@@ -137,32 +138,34 @@ def loss_rise(run: dict) -> float:
   return run['eval_loss'][-1] / min(run['eval_loss'])
 
 
-def main(argv):
-  del argv
-  kind = KINDS[FLAGS.kind]
-  if FLAGS.kind == 'photos' and not os.path.isdir(os.path.join(FLAGS.folders, kind.source)):
-    write_photo_folders(FLAGS.folders)
-  shutil.rmtree(FLAGS.work, ignore_errors=True)
-  os.makedirs(FLAGS.work)
+def run_kind(name: str) -> dict:
+  """Pretrains kind `name` on digits 0-4, then trains each size, seed and arm on digits 5-9:
+  the runs and the checks of each size."""
+  kind = KINDS[name]
+  flag = {'mnist': 'mnist_folders', 'photos': 'photo_folders'}[name]
+  folders = FLAGS[flag].value
+  if not folders:
+    raise app.UsageError(f'--{flag} is needed for the kind {name}.')
+  if name == 'photos' and not os.path.isdir(os.path.join(folders, kind.source)):
+    write_photo_folders(folders)
   recipe = FLAGS.recipe if FLAGS.recipe is not None else kind.recipe
   pretrain_epochs = FLAGS.pretrain_epochs or kind.pretrain_epochs
   pretrain = os.path.join(FLAGS.work, kind.source)
-  pretrained = train(pretrain, kind.config, os.path.join(FLAGS.folders, kind.source),
+  pretrained = train(pretrain, kind.config, os.path.join(folders, kind.source),
                      [f'--config.num_epochs={pretrain_epochs}'])
   runs, summary = [], {}
   for size in map(int, FLAGS.sizes):
     for seed in map(int, FLAGS.seeds):
-      dataset = draw(os.path.join(FLAGS.folders, kind.target), size, seed)
+      dataset = draw(os.path.join(folders, kind.target), size, seed)
       for arm, init in (('finetune', [*FLAGS.finetune, f'--config.init_from={pretrain}']),
                         ('scratch', [])):
         if arm not in FLAGS.arms:
           continue
-        run = train(os.path.join(FLAGS.work, f'{arm}_{size}_seed{seed}'), kind.config, dataset,
-                    [*recipe, f'--config.seed={seed}', *init])
+        run = train(os.path.join(FLAGS.work, f'{name}_{arm}_{size}_seed{seed}'), kind.config,
+                    dataset, [*recipe, f'--config.seed={seed}', *init])
         runs.append({'arm': arm, 'size': size, 'seed': seed, **run})
-        print(f'{size} a digit, {arm}, seed {seed}: eval accuracy by epoch '
-              f'{", ".join(f"{value:.4f}" for value in run["eval_accuracy"])}; loss '
-              f'{", ".join(f"{value:.3f}" for value in run["eval_loss"])}', flush=True)
+        print(f'{name}, {size} a digit, {arm}, seed {seed}: eval accuracy by epoch '
+              f'{", ".join(f"{value:.4f}" for value in run["eval_accuracy"])}', flush=True)
     of_size = [run for run in runs if run['size'] == size]
     last = {arm: [run['eval_accuracy'][-1] for run in of_size if run['arm'] == arm]
             for arm in FLAGS.arms}
@@ -171,10 +174,46 @@ def main(argv):
         'finetune_beats_scratch_every_seed': len(last) == 2 and all(
             tuned > scratch for tuned, scratch in zip(last['finetune'], last['scratch'])),
         'largest_loss_rise_after_best_epoch': max(loss_rise(run) for run in of_size)}
-  harness.write_json(FLAGS.out, {
-      'kind': FLAGS.kind, 'config': kind.config,
-      'pretrain': {'epochs': pretrain_epochs, **pretrained}, 'recipe': recipe,
-      'finetune': FLAGS.finetune, 'runs': runs, 'by_size': summary})
+  return {'config': kind.config, 'pretrain': {'epochs': pretrain_epochs, **pretrained},
+          'recipe': recipe, 'finetune': FLAGS.finetune, 'runs': runs, 'by_size': summary}
+
+
+def table(results: dict[str, dict]) -> str:
+  """docs/fine_tuning.md's table of `results` (the JSON's 'kinds'): by kind and size, each seed's
+  accuracy after the last epoch, fine-tuned and from scratch, their means, whether fine-tuning
+  is ahead on every seed, and the largest rise of a run's eval loss after its best epoch."""
+  rows = []
+  for name, result in results.items():
+    for size, checks in result['by_size'].items():
+      last = {arm: ', '.join(f"{run['eval_accuracy'][-1]:.1%}" for run in result['runs']
+                             if run['arm'] == arm and str(run['size']) == str(size))
+              for arm in ('finetune', 'scratch')}
+      means = checks['mean_last_epoch']
+      rows.append([name, size, last['finetune'], f"{means.get('finetune', 0):.1%}",
+                   last['scratch'], f"{means.get('scratch', 0):.1%}",
+                   'yes' if checks['finetune_beats_scratch_every_seed'] else 'no',
+                   f"{checks['largest_loss_rise_after_best_epoch']:.2f}x"])
+  return harness.markdown_table(
+      ['kind', 'images a digit', 'fine-tuned, by seed', 'mean', 'from scratch, by seed', 'mean',
+       'fine-tuned ahead on every seed', 'largest eval-loss rise after the best epoch'], rows,
+      align='lrlrlrlr')
+
+
+def main(argv):
+  del argv
+  if FLAGS.table:
+    with open(FLAGS.table, encoding='utf-8') as file:
+      print(table(json.load(file)['kinds']))
+    return
+  if not FLAGS.work or not FLAGS.out:
+    raise app.UsageError('--work and --out are needed.')
+  shutil.rmtree(FLAGS.work, ignore_errors=True)
+  os.makedirs(FLAGS.work)
+  results = {}
+  for name in FLAGS.kinds:
+    results[name] = run_kind(name)
+    harness.write_json(FLAGS.out, {'kinds': results})
+  print(table(results))
 
 
 if __name__ == '__main__':
