@@ -54,10 +54,10 @@ def select_layers(cpu_kernels: str, backend: str | None = None,
   """The layers for `config.cpu_kernels` on `backend` (default: JAX's default backend).
 
   'auto' uses the CPU layers on the CPU backend, the GPU layers on the CUDA backend ('gpu'), the
-  TPU layers on the TPU backend and the stock layers everywhere else; 'off' always uses the stock layers (the config key keeps
-  its first name). With `compute_dtype` 'bfloat16' the layers with parameters
-  compute in bfloat16 (their inputs and parameters are cast to it) and keep float32 parameters;
-  the layers without parameters compute in the dtype of their inputs.
+  TPU layers on the TPU backend and the stock layers everywhere else; 'off' always uses the
+  stock layers (the config key keeps its first name). With `compute_dtype` 'bfloat16' the
+  layers with parameters compute in bfloat16 (their inputs and parameters are cast to it) and
+  keep float32 parameters; the layers without parameters compute in the dtype of their inputs.
   """
   for key, value, valid in (('cpu_kernels', cpu_kernels, CPU_KERNELS),
                             ('compute_dtype', compute_dtype, COMPUTE_DTYPES)):

@@ -139,13 +139,14 @@ class Planned:
   def build(self, on_host: bool | None = None) -> 'TrainState':
     """The state itself, its arrays computed by one program and placed by `_sharding`.
 
-    On an accelerator (or with `on_host`), the program runs on the host's CPU and its arrays
-    are copied over: XLA:TPU took 22-38 s to compile a ViT's initialisation, XLA:CPU 7 s
-    (docs/accelerators.md). The random numbers are the same on either (threefry's bits).
+    On an accelerator in a single process (or with `on_host`), the program runs on the host's
+    CPU and its arrays are copied over: XLA:TPU took 22-38 s to compile a ViT's initialisation
+    (docs/accelerators.md), XLA:CPU compiles it several times faster. The values are the same on
+    either (threefry's random bits; tests/test_parallel.py).
     """
     host = _host_cpu()
     if on_host is None:
-      on_host = jax.default_backend() != 'cpu'
+      on_host = jax.default_backend() != 'cpu' and jax.process_count() == 1
     if not on_host or host is None:
       return self._merged(run_once(self._build))
     # Under a mesh of the host alone: the mesh in force would place the program over the
