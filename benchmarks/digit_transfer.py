@@ -188,10 +188,11 @@ def table(results: dict[str, dict]) -> str:
       last = {arm: ', '.join(f"{run['eval_accuracy'][-1]:.1%}" for run in result['runs']
                              if run['arm'] == arm and str(run['size']) == str(size))
               for arm in ('finetune', 'scratch')}
-      means = checks['mean_last_epoch']
-      rows.append([name, size, last['finetune'], f"{means.get('finetune', 0):.1%}",
-                   last['scratch'], f"{means.get('scratch', 0):.1%}",
-                   'yes' if checks['finetune_beats_scratch_every_seed'] else 'no',
+      means = {arm: f'{mean:.1%}' for arm, mean in checks['mean_last_epoch'].items()}
+      rows.append([name, size, last['finetune'], means.get('finetune', ''),
+                   last['scratch'], means.get('scratch', ''),
+                   ('yes' if checks['finetune_beats_scratch_every_seed'] else 'no')
+                   if len(means) == 2 else '',
                    f"{checks['largest_loss_rise_after_best_epoch']:.2f}x"])
   return harness.markdown_table(
       ['kind', 'images a digit', 'fine-tuned, by seed', 'mean', 'from scratch, by seed', 'mean',
