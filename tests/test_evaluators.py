@@ -1,4 +1,10 @@
-"""Evaluators equal a direct computation, whatever the padding and batching."""
+"""Evaluators equal a direct computation, whatever the padding and batching; a new one is one
+file."""
+
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -153,3 +159,55 @@ def test_the_report_adds_per_class_and_the_confusion_matrix_once():
                         evaluators.with_report(evaluators.create(spec))]
   assert names('loss|accuracy') == ['loss', 'accuracy', 'per_class', 'confusion_matrix']
   assert names('confusion_matrix|ece|per_class') == ['confusion_matrix', 'ece', 'per_class']
+
+
+_NEW_EVALUATOR = '''
+"""`wrong_rate`: the share of examples whose highest logit is not their label."""
+
+import evaluators
+from evaluators import EVALUATORS
+
+
+@EVALUATORS.register('wrong_rate')
+class WrongRate(evaluators.HitRate):
+  name = 'wrong_rate'
+  directions = {'wrong_rate': False}
+
+  def init(self, info):
+    return self._zeros()
+
+  def update(self, state, logits, batch):
+    return self._counted(state, logits.argmax(axis=-1) != batch['label'], batch)
+'''
+
+# Adds a directory to the evaluators package's path before the registry first looks, then
+# evaluates one batch (4 examples, 2 right, and 1 of padding) with the new evaluator beside a
+# built-in one; prints the registry's names and the results.
+_FIND_IT_SCRIPT = r'''
+import json, sys
+import numpy as np
+import evaluators
+from data_sources import base
+evaluators.__path__.append(sys.argv[1])
+info = base.DatasetInfo(name='toy', image_shape=(1, 1, 1), num_classes=3,
+                        num_train_examples=1, num_eval_examples=1)
+batch = {'label': np.array([0, 1, 1, 2, 0]), 'mask': np.array([True] * 4 + [False])}
+logits = 5.0 * np.eye(3, dtype=np.float32)[[0, 1, 2, 0, 1]]
+results = {}
+for evaluator in evaluators.create('accuracy|wrong_rate'):
+  results.update(evaluator.results(evaluator.update(evaluator.init(info), logits, batch), info))
+print('RESULT', json.dumps({'names': evaluators.EVALUATORS.names(), 'results': results}))
+'''
+
+
+@pytest.mark.slow
+def test_an_evaluator_added_as_one_file_is_found_by_the_registry(tmp_path):
+  (tmp_path / 'wrong_rate.py').write_text(_NEW_EVALUATOR)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run([sys.executable, '-c', _FIND_IT_SCRIPT, str(tmp_path)], cwd=root,
+                          env={**os.environ, 'JAX_PLATFORMS': 'cpu'}, capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = json.loads(result.stdout.split('RESULT ')[-1])
+  assert 'wrong_rate' in out['names'] and 'accuracy' in out['names']
+  assert out['results'] == {'accuracy': 0.5, 'wrong_rate': 0.5}
