@@ -8,7 +8,7 @@ same machine.
 
 --models=toy_resnet is a ResNet of one basic block per stage and 8-32 features, built alike in
 both libraries (this module's, not the app's registry's): the whole benchmark at a toy size in
-seconds, its plumbing rather than a speed (tests/test_backbone_benchmark.py).
+seconds, its plumbing rather than a speed (tests/lab/test_backbone_benchmark.py).
 
 For every model x dtype x configuration, a fresh child process builds the model and its
 optimizer, runs --warmup steps (the first one compiles: its seconds are reported apart), then

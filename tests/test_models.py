@@ -9,7 +9,6 @@ import pytest
 from core import errors
 import kernels
 import train
-from benchmarks import reference_mnist
 from configs import cifar10
 from configs import default
 import image_folders
@@ -117,24 +116,6 @@ def test_model_options_come_from_the_config():
   model = _built(config)
   assert [linear.kernel.shape for linear in model.linears] == [(784, 64), (64, 32), (32, 16),
                                                                (16, 10)]
-
-
-@pytest.mark.parametrize('cpu_kernels', kernels.CPU_KERNELS)
-def test_cnn_is_the_reference_example_function(cpu_kernels):
-  """The same parameters give the reference CNN's outputs in eval mode, and in training mode the
-  same outputs and gradients when dropout is deterministic (the masks are random by design)."""
-  model = _create('cnn', cpu_kernels=cpu_kernels)
-  reference = state_lib.run_once(lambda: reference_mnist.ReferenceCNN(rngs=nnx.Rngs(1)))
-  nnx.update(reference, *nnx.state(model, nnx.Param, nnx.BatchStat))
-  x = jax.random.uniform(jax.random.key(0), (16, 28, 28, 1))
-  for train in (False, True):
-    for module in (model, reference):
-      module.eval() if not train else module.set_attributes(deterministic=True)
-    loss = lambda module: jnp.sin(module(x)).sum()
-    np.testing.assert_allclose(model(x), reference(x), rtol=1e-4, atol=1e-4)
-    grads, reference_grads = nnx.grad(loss)(model), nnx.grad(loss)(reference)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4),
-                 grads, reference_grads)
 
 
 def test_cnn_train_mode_is_stochastic_and_updates_batch_stats():

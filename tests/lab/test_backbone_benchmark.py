@@ -13,7 +13,7 @@ import pytest
 from benchmarks import backbones
 from tests.helpers.optional import requires_extras
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(step_seconds: float) -> dict:

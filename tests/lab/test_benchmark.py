@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import pytest
 from benchmarks import harness
 from benchmarks import record
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Abridged `lscpu` of a Sapphire Rapids VM and of an AMD EPYC (Zen 3, AVX2).
 SAPPHIRE_RAPIDS = """\
@@ -240,3 +241,27 @@ def test_step_profile_reads_an_accelerators_operations_from_its_trace(tmp_path):
                                       0.0))]
   # A trace of the CPU alone has no accelerator's operations.
   assert hlo.device_operations(xplane_pb2.XSpace(), 2) == []
+
+
+def _importing_the_lab(top: str, skip: tuple[str, ...]) -> list[str]:
+  """The Python files under `top` (hidden folders and `skip`ped ones left out) that import
+  benchmarks, relative to the repository's root."""
+  found = []
+  for folder, folders, files in os.walk(top):
+    folders[:] = [name for name in folders
+                  if not name.startswith('.') and os.path.join(folder, name) not in skip]
+    for name in (name for name in files if name.endswith('.py')):
+      with open(os.path.join(folder, name), encoding='utf-8') as file:
+        if re.search(r'^\s*(from|import) benchmarks\b', file.read(), re.M):
+          found.append(os.path.relpath(os.path.join(folder, name), ROOT))
+  return found
+
+
+def test_only_the_labs_own_tests_import_the_lab():
+  # The lab (benchmarks/) imports the app, never the reverse; of the tests, only those of
+  # tests/lab/ import it, so that the product's tests stand without it.
+  lab_tests = os.path.dirname(os.path.abspath(__file__))
+  assert _importing_the_lab(os.path.join(ROOT, 'tests'), (lab_tests,)) == []
+  assert _importing_the_lab(ROOT, tuple(os.path.join(ROOT, name)
+                                        for name in ('benchmarks', 'tests'))) == []
+  assert 'tests/lab/test_benchmark.py' in _importing_the_lab(lab_tests, ())

@@ -16,7 +16,7 @@ from tests.helpers.optional import requires_extras
 import kernels
 import models
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NUM_CLASSES = 5
 
 

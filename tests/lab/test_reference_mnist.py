@@ -1,0 +1,41 @@
+"""The app's CNN against the reference it is measured against (benchmarks/reference_mnist.py,
+the Flax MNIST example's model): the same function."""
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import reference_mnist
+from configs import default
+import kernels
+from training import run_spec
+from training import state as state_lib
+
+
+def _create(name, **config_overrides):
+  """`configs/default.py`'s model `name` with `config_overrides`, initialised in one program."""
+  config = default.get_config()
+  config.model = name
+  config.update(config_overrides)
+  spec = run_spec.resolve(config).model
+  return state_lib.run_once(lambda: spec.build((28, 28, 1), 10, nnx.Rngs(0)))
+
+
+@pytest.mark.parametrize('cpu_kernels', kernels.CPU_KERNELS)
+def test_cnn_is_the_reference_example_function(cpu_kernels):
+  """The same parameters give the reference CNN's outputs in eval mode, and in training mode the
+  same outputs and gradients when dropout is deterministic (the masks are random by design)."""
+  model = _create('cnn', cpu_kernels=cpu_kernels)
+  reference = state_lib.run_once(lambda: reference_mnist.ReferenceCNN(rngs=nnx.Rngs(1)))
+  nnx.update(reference, *nnx.state(model, nnx.Param, nnx.BatchStat))
+  x = jax.random.uniform(jax.random.key(0), (16, 28, 28, 1))
+  for train in (False, True):
+    for module in (model, reference):
+      module.eval() if not train else module.set_attributes(deterministic=True)
+    loss = lambda module: jnp.sin(module(x)).sum()
+    np.testing.assert_allclose(model(x), reference(x), rtol=1e-4, atol=1e-4)
+    grads, reference_grads = nnx.grad(loss)(model), nnx.grad(loss)(reference)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4),
+                 grads, reference_grads)
