@@ -59,8 +59,9 @@ flags.DEFINE_string('out', None, 'The JSON file of the figures.')
 
 class Kind(NamedTuple):
   """A kind of digit images: its config, its two folders' names (under --mnist_folders or
-  --photo_folders), the pretraining's epochs and the recipe docs/fine_tuning.md gives for a small folder of it: the config's own
-  optimizer along a cosine schedule after a warm-up epoch (configs/images.py's already)."""
+  --photo_folders), the pretraining's epochs and the recipe docs/fine_tuning.md gives for a
+  small folder of it: the config's own optimizer along a cosine schedule after a warm-up
+  epoch (configs/images.py's already)."""
   config: str
   source: str
   target: str

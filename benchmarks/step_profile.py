@@ -78,8 +78,7 @@ def print_by_function(rows: list[tuple[float, str, hlo.Operation]], step_ms: flo
            groups.items(), key=lambda item: -item[1][0])[:FLAGS.rows]], align='lllrrrr'))
 
 
-def profile(config) -> tuple[object, list[tuple[float, str, hlo.Operation]], str,
-                             dict]:
+def profile(config) -> tuple[object, list[tuple[float, str, hlo.Operation]], str, dict]:
   """Builds `config`'s state and train step, times and traces it: the trace, its operations,
   a line saying what was run and how long its steps took, and those figures for --json."""
   run = run_spec.resolve(config)
@@ -127,7 +126,8 @@ def profile(config) -> tuple[object, list[tuple[float, str, hlo.Operation]], str
                   FLAGS.keep_trace)
   rows = hlo.device_operations(space, FLAGS.steps) or sorted(
       ((picoseconds / 1e9 / FLAGS.steps, name, operations[name])
-       for name, picoseconds in hlo.host_events(space).items() if name in operations), reverse=True)
+       for name, picoseconds in hlo.host_events(space).items() if name in operations),
+      reverse=True)
   peak = harness.matmul_flops_per_sec() / 1e9
   summary = (f'{config.model}, batch {config.batch_size}, cpu_kernels={config.cpu_kernels}, '
              f'{config.compute_dtype}, images {info.image_shape}: {untraced[0]:.1f} ms per step '

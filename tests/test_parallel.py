@@ -219,7 +219,8 @@ host_devices = []
 device_put = jax.device_put
 jax.device_put = lambda x, s: (host_devices.extend(
     len(leaf.sharding.device_set) for leaf in jax.tree.leaves(x)), device_put(x, s))[1]
-key_data = lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+key_data = lambda x: (jax.random.key_data(x)
+                      if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
 out = {}
 for fsdp in (1, 2):
   mesh = parallel.create_mesh(fsdp=fsdp)
