@@ -16,7 +16,10 @@ device compute, each timed with a sync after every step; `input_wait_share` is t
 share), eval examples/s, a 2048x2048 matmul's FLOP/s (the peak that achieved FLOP/s is a
 fraction of) and its peak RSS. With
 --time_to_accuracy, `main.py` and the reference also train for real, each timed from process
-start to the first epoch whose eval accuracy reaches --target_accuracy (then stopped).
+start to the first epoch whose eval accuracy reaches --target_accuracy (then stopped). With
+--whole_runs=N, each trains config.num_epochs N times, alternating, each run a whole process
+timed from spawn to exit with a new, empty compilation cache, with its last eval accuracy (the
+reference's on the 9,984 images of its drop_remainder batches).
 Prints a table and writes everything, every round included, to --json (`harness.write_json`).
 """
 
@@ -30,6 +33,7 @@ if '--keep_freed_memory' in sys.argv:
   runtime.tune_malloc_for_cpu()
 
 import json
+import os
 import re
 import resource
 import tempfile
@@ -61,6 +65,10 @@ flags.DEFINE_bool('stock_layers', False,
                   "Also measure the project with config.cpu_kernels='off' (flax's stock layers).")
 flags.DEFINE_bool('time_to_accuracy', False, 'Also train for real until --target_accuracy.')
 flags.DEFINE_float('target_accuracy', 0.99, 'Eval accuracy that ends a time-to-accuracy run.')
+flags.DEFINE_integer('whole_runs', 0, "Also train config.num_epochs for real this many times, "
+                     'alternating the programs, each a whole process timed from spawn to exit.',
+                     lower_bound=0)
+flags.DEFINE_string('logs', None, 'A folder for the output of every whole run (optional).')
 flags.DEFINE_integer('matmul_size', harness.MATMUL_SIZE, 'Side of the square matmul whose '
                      'FLOP/s is the peak (small: quick checks).', lower_bound=1)
 flags.DEFINE_string('json', 'benchmark.json', 'Where to write the figures.')
@@ -208,8 +216,11 @@ def measure_in_child(program: str, keep_freed_memory: bool,
   return figures
 
 
-def time_to_accuracy(command: list[str], pattern: str) -> dict[str, float]:
-  """Runs `command` until a printed eval accuracy reaches the target; times from its start.
+def timed_training(command: list[str], pattern: str, target: float | None,
+                   log_path: str | None = None) -> dict[str, float]:
+  """Runs `command`, a training process printing its eval accuracy at every epoch, until the
+  accuracy reaches `target` (then stopped) or, with `target` None, to its end; times from
+  its spawn.
 
   `pattern` finds (epoch, accuracy) in the child's output lines.
   """
@@ -220,28 +231,58 @@ def time_to_accuracy(command: list[str], pattern: str) -> dict[str, float]:
     if not (match := re.search(pattern, line)):
       return False
     epoch, accuracy = int(match.group(1)), float(match.group(2))
-    logging.info('time to accuracy: epoch %d, eval_accuracy %.4f at %.1fs', epoch, accuracy,
+    logging.info('epoch %d, eval_accuracy %.4f at %.1fs', epoch, accuracy,
                  time.perf_counter() - start)
-    if accuracy < FLAGS.target_accuracy:
+    result.update(last_epoch=epoch, last_eval_accuracy=accuracy)
+    if target is None or accuracy < target:
       return False
     result.update(seconds_to_target=time.perf_counter() - start, epochs_to_target=epoch)
     return True
 
-  child = harness.run_child(command, stop=reached)
-  return {**result, 'peak_rss_mb_training': child.peak_rss_mb}
+  child = harness.run_child(command, stop=reached, log_path=log_path)
+  if target is None:
+    return {'process_seconds': child.seconds, 'eval_accuracy': result['last_eval_accuracy'],
+            'epochs': result['last_epoch'], 'peak_rss_mb': child.peak_rss_mb}
+  return {'seconds_to_target': result['seconds_to_target'],
+          'epochs_to_target': result['epochs_to_target'],
+          'peak_rss_mb_training': child.peak_rss_mb}
+
+
+def training_commands(config, workdir: str) -> dict[str, tuple[list[str], str]]:
+  """The command line of each program trained for real (`main.py` with this run's config
+  overrides, in `workdir`; with --reference, the reference for config.num_epochs), with the
+  pattern of its per-epoch accuracy lines."""
+  overrides = [arg for arg in sys.argv[1:] if arg.startswith('--config.')]  # As for the others.
+  commands = {'project': (
+      [sys.executable, 'main.py', f'--config={FLAGS["config"].config_filename}',
+       f'--workdir={workdir}', *overrides], r'epoch (\d+)/\d+: .*eval/accuracy=([0-9.]+)')}
+  if FLAGS.reference:
+    data_dir = [f'--data_dir={config.data_dir}'] if config.data_dir else []
+    commands['reference'] = (
+        [sys.executable, '-m', 'benchmarks.reference_mnist', *data_dir,
+         f'--num_epochs={config.num_epochs}'], r'epoch (\d+) eval_accuracy ([0-9.]+)')
+  return commands
 
 
 def time_to_accuracy_runs(config) -> dict[str, dict[str, float]]:
-  overrides = [arg for arg in sys.argv[1:] if arg.startswith('--config.')]  # As for the others.
   with tempfile.TemporaryDirectory() as workdir:
-    runs = {'project': time_to_accuracy(
-        [sys.executable, 'main.py', f'--config={FLAGS["config"].config_filename}',
-         f'--workdir={workdir}', *overrides], r'epoch (\d+)/\d+: .*eval/accuracy=([0-9.]+)')}
-  if FLAGS.reference:
-    data_dir = [f'--data_dir={config.data_dir}'] if config.data_dir else []
-    runs['reference'] = time_to_accuracy(
-        [sys.executable, '-m', 'benchmarks.reference_mnist', *data_dir],
-        r'epoch (\d+) eval_accuracy ([0-9.]+)')
+    return {name: timed_training(command, pattern, FLAGS.target_accuracy)
+            for name, (command, pattern) in training_commands(config, workdir).items()}
+
+
+def whole_runs(config) -> dict[str, list[dict[str, float]]]:
+  """--whole_runs rounds of every program trained for config.num_epochs, alternating; each
+  run of the project in a new workdir, with a new, empty compilation cache (`run_child`)."""
+  runs = {}
+  if FLAGS.logs:
+    os.makedirs(FLAGS.logs, exist_ok=True)
+  for round_index in range(FLAGS.whole_runs):
+    with tempfile.TemporaryDirectory() as workdir:
+      for name, (command, pattern) in training_commands(config, workdir).items():
+        log_path = FLAGS.logs and os.path.join(FLAGS.logs, f'{name}_{round_index + 1}.log')
+        runs.setdefault(name, []).append(timed_training(command, pattern, None, log_path))
+        logging.info('whole run of %s: %.1f s, eval accuracy %.4f', name,
+                     runs[name][-1]['process_seconds'], runs[name][-1]['eval_accuracy'])
   return runs
 
 
@@ -266,10 +307,15 @@ def main(argv):
   if FLAGS.time_to_accuracy:
     for name, figures in time_to_accuracy_runs(FLAGS.config).items():
       runs[name].update(figures)
+  trained = whole_runs(FLAGS.config) if FLAGS.whole_runs else {}
+  for name, measured in trained.items():
+    runs[name].update({f'whole_run_{key}': harness.median([figures[key] for figures in measured])
+                       for key in measured[0]})
 
   report = {'device': str(jax.devices()[0].device_kind), 'num_devices': jax.device_count(),
             'config': str(FLAGS['config'].config_filename), 'steps': FLAGS.steps,
-            'rounds': FLAGS.rounds, 'runs': runs, 'every_round': rounds}
+            'rounds': FLAGS.rounds, 'runs': runs, 'every_round': rounds,
+            'whole_runs': trained}
   names = sorted({key for figures in runs.values() for key in figures})
   print('\n' + harness.markdown_table(
       [f'median of {FLAGS.rounds} rounds', *runs],
@@ -282,6 +328,14 @@ def main(argv):
     report['train_speedup_vs_reference'] = harness.median(speedups)
     report['train_speedup_vs_reference_every_round'] = speedups
     print(f'train speed-up vs reference: {report["train_speedup_vs_reference"]:.2f}x (median of '
+          + ', '.join(f'{s:.2f}' for s in speedups) + ')')
+  if FLAGS.reference and trained:
+    speedups = [reference['process_seconds'] / project['process_seconds']
+                for project, reference in zip(trained['project'], trained['reference'])]
+    report['whole_run_speedup_vs_reference'] = harness.median(speedups)
+    report['whole_run_speedup_vs_reference_every_round'] = speedups
+    print(f'whole-run speed-up vs reference ({FLAGS.config.num_epochs} epochs, each process '
+          f'from spawn to exit): {report["whole_run_speedup_vs_reference"]:.2f}x (median of '
           + ', '.join(f'{s:.2f}' for s in speedups) + ')')
   print(f'on {report["device"]} x{report["num_devices"]}')
   harness.write_json(FLAGS.json, report)
