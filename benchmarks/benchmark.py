@@ -158,13 +158,11 @@ def measure_project(config) -> dict[str, float]:
   first = next(batches)
   compile_s, flops = flops_per_example(train_step, state, first, examples=run.batch_size)
 
-  cached_step = nnx.cached_partial(train_step, state)  # As the training loop calls it.
-
-  def step(batch):  # What it returns is ready when the step's program is done.
-    cached_step(batch)
-    return state.window.count[...]
+  step = state_lib.Stepper(train_step, state)  # As the training loop steps it; what it
+  # returns is ready when the step's program is done.
 
   results = measure_training(step, batches, run.batch_size, FLAGS.steps)
+  state = step.sync()
   split = run.evaluation('eval')
   split.run(state.eval_model(), eval_batches, data.info)  # Compile.
   eval_s = harness.best_seconds(lambda: split.run(state.eval_model(), eval_batches, data.info),

@@ -101,11 +101,11 @@ def profile(config) -> tuple[object, list[tuple[float, str, hlo.Operation]], str
              for _ in range(4)]
   operations = hlo.operations(train_step.lower(state, batches[0]).compile().as_text())
 
+  stepper = state_lib.Stepper(train_step, state)  # As the training loop steps it.
+
   def run_steps(count: int) -> None:
     """`count` steps, dispatched ahead as training does, and waited for."""
-    for i in range(count):
-      train_step(state, batches[i % 4])
-    jax.block_until_ready(jax.tree.leaves(state))
+    jax.block_until_ready([stepper(batches[i % 4]) for i in range(count)][-1])
 
   def ms_per_step(repeats: int) -> list[float]:
     """Milliseconds per step of --steps steps, `repeats` times, the fastest first."""

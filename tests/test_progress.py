@@ -15,6 +15,7 @@ from kernels import cpu
 from training import checkpointing
 from training import hooks
 from training import run_spec
+from training import state as state_lib
 from tests.helpers.build import INFO
 from tests.helpers.build import create
 from tests.helpers.build import random_batch
@@ -59,8 +60,7 @@ def test_progress_lines_count_finished_steps_not_dispatched_ones(monkeypatch):
   progress_hook.on_start(loop)
   gate = _Result()
   for _ in range(3):
-    train_step(state, random_batch())
-    loop.step += 1
+    loop.train(train_step, random_batch())
     progress_hook.after_step(loop)
   jax.block_until_ready([marker for _, marker in progress_hook._finished._pending])
   progress_hook._finished.dispatched(4, gate)  # A 4th step whose result is not ready.
@@ -75,24 +75,24 @@ def test_progress_lines_count_finished_steps_not_dispatched_ones(monkeypatch):
 
 def test_the_epoch_speed_is_timed_from_the_end_of_its_first_step_not_its_dispatch():
   state, train_step = create(model='mlp')
-  train_step(state, random_batch())
-  # The first step's outputs, still being computed when its hooks run: a loss sum that takes a
-  # fraction of a second (compiled beforehand, so that the call only dispatches it).
-  slow_loss = jax.jit(lambda a: jnp.sum(jax.lax.fori_loop(0, 300, lambda _, b: b @ a / 512, a)))
+  loop = hooks.Loop(state, steps_per_epoch=4, num_steps=8)
+  loop.train(train_step, random_batch())
+  # The first step, still running when its hooks run: a step that takes a fraction of a
+  # second (compiled beforehand, so that the call only dispatches it).
+  slow_step = jax.jit(lambda a: jnp.sum(jax.lax.fori_loop(0, 300, lambda _, b: b @ a / 512, a)))
   a = jnp.ones((512, 512))
-  slow_loss(a).block_until_ready()
-  state.window.loss[...] = slow_loss(a)
-  assert not state.window.loss[...].is_ready()
-  loop = hooks.Loop(state, steps_per_epoch=4, num_steps=8, step=1)
+  slow_step(a).block_until_ready()
+  loop.dispatched = slow_step(a)
+  assert not loop.dispatched.is_ready()
   hooks.TrainMetrics(None, None, None, every_steps=100, batch_size=8).after_step(loop)
-  assert state.window.loss[...].is_ready()  # The clock started when the step had ended.
+  assert loop.dispatched.is_ready()  # The clock started when the step had ended.
 
 
 def test_a_training_step_that_does_not_fit_names_the_batch_size():
-  @nnx.jit  # The loop calls the state's compiled step (through nnx.cached_partial).
-  def train_step(state, batch):
+  def update(state, batch):  # Raised where running a compiled step raises it.
     raise jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory allocating 6442450944 '
                                      'bytes.')
+  train_step = state_lib.TrainStep(update)
   state, _ = create(model='mlp')
   loop = hooks.Loop(state, steps_per_epoch=4, num_steps=8)
   with pytest.raises(errors.OutOfMemory) as error:

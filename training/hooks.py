@@ -9,7 +9,6 @@ stateful hook's state (`state_dict`) in the checkpoint's progress item, restores
 (`load_state_dict`) and says whether a saved run is finished. `every` is the one cadence helper.
 """
 
-import dataclasses
 import math
 import signal
 import time
@@ -17,9 +16,7 @@ import time
 from absl import logging
 from clu import metric_writers
 from clu import periodic_actions
-from flax import nnx
 import jax
-import jax.numpy as jnp
 import optax
 
 from core import errors
@@ -32,15 +29,33 @@ from training import optimizers
 from training import state as state_lib
 
 
-@dataclasses.dataclass
 class Loop:
   """What the hooks see of the run after a step, and what they tell each other."""
-  state: state_lib.TrainState
-  steps_per_epoch: int
-  num_steps: int
-  step: int = 0  # Steps done.
-  metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # Of this step.
-  stop: str | None = None  # Why the run stops before num_steps, once a hook says so.
+
+  def __init__(self, state: state_lib.TrainState, steps_per_epoch: int, num_steps: int,
+               step: int = 0):
+    self._state = state
+    self._stepper = None  # Holds the state's arrays while steps run (`train`).
+    self.steps_per_epoch, self.num_steps = steps_per_epoch, num_steps
+    self.step = step  # Steps done.
+    self.metrics: dict[str, float] = {}  # Of this step.
+    self.stop: str | None = None  # Why the run stops before num_steps, once a hook says so.
+    self.dispatched: jax.Array | None = None  # The step count after the last step dispatched:
+    # ready when that step is done (no host sync to read whether it is).
+
+  @property
+  def state(self) -> state_lib.TrainState:
+    """The training state after the last step (its arrays written back into its modules)."""
+    if self._stepper is not None:
+      self._stepper.sync()
+    return self._state
+
+  def train(self, train_step: state_lib.TrainStep, batch) -> None:
+    """Dispatches one step of `train_step` on `batch`, and counts it."""
+    if self._stepper is None:
+      self._stepper = state_lib.Stepper(train_step, self._state)
+    self.dispatched = self._stepper(batch)
+    self.step += 1
 
   @property
   def epoch(self) -> int:
@@ -115,9 +130,7 @@ class Progress(Hook):
     self._ticker = progress.Ticker(self._tick, self._poll).start()
 
   def after_step(self, loop):
-    # The state's own arrays are donated to the next step, so they cannot be watched: a copy of
-    # the step counter, computed after this step, is ready when the step is (no wait here).
-    self._finished.dispatched(loop.step, jnp.copy(loop.state.optimizer.step[...]))
+    self._finished.dispatched(loop.step, loop.dispatched)
 
   def on_end(self, loop):
     self._ticker.stop()
@@ -215,8 +228,8 @@ class TrainMetrics(Hook):
   def after_step(self, loop):
     if self._epoch_start is None or loop.step % loop.steps_per_epoch == 1:
       # Timed from the end of the epoch's first step (the first epoch's compilation apart),
-      # which is dispatched but may still run: its loss sum is ready when it has ended.
-      jax.block_until_ready(loop.state.window.loss[...])
+      # which is dispatched but may still run.
+      jax.block_until_ready(loop.dispatched)
       self._epoch_start = time.time(), loop.step
     if not (every(loop.step, self._every) or loop.end_of_epoch):
       return
@@ -433,13 +446,8 @@ def run(loop: Loop, hooks: Hooks, batches, train_step, place, batch_size: int) -
   try:
     if loop.stop:
       return
-    # The state's graph of modules and variables is walked once, here, instead of at every
-    # step (`nnx.cached_partial`): walking it is host time between two steps, which a small
-    # step (MNIST's) or an accelerator's fast one waits for.
-    step = nnx.cached_partial(train_step, loop.state)
     for batch in batches:
-      step(place(batch))
-      loop.step += 1
+      loop.train(train_step, place(batch))
       loop.metrics = {}
       hooks.after_step(loop)
       if loop.stop:
