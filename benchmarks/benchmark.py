@@ -59,7 +59,8 @@ from training import state as state_lib
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config to benchmark.')
 flags.DEFINE_integer('steps', 100, 'Training steps timed for throughput and for the breakdown.')
-flags.DEFINE_integer('rounds', 3, 'Alternating rounds of measurements; figures are medians.')
+flags.DEFINE_integer('rounds', 3, 'Alternating rounds of measurements; figures are medians '
+                     '(0: none, for --whole_runs alone).', lower_bound=0)
 flags.DEFINE_bool('reference', False, 'Also measure the reference example, side by side.')
 flags.DEFINE_bool('stock_layers', False,
                   "Also measure the project with config.cpu_kernels='off' (flax's stock layers).")
@@ -301,13 +302,13 @@ def main(argv):
       logging.info('round %d %s: %.0f training examples/s', round_index + 1, name,
                    rounds[name][-1]['train_examples_per_sec'])
   runs = {name: {key: harness.median([figures[key] for figures in measured])
-                 for key in measured[0]} for name, measured in rounds.items()}
+                 for key in measured[0]} for name, measured in rounds.items() if measured}
   if FLAGS.time_to_accuracy:
     for name, figures in time_to_accuracy_runs(FLAGS.config).items():
-      runs[name].update(figures)
+      runs.setdefault(name, {}).update(figures)
   trained = whole_runs(FLAGS.config) if FLAGS.whole_runs else {}
   for name, measured in trained.items():
-    runs[name].update({f'whole_run_{key}': harness.median([figures[key] for figures in measured])
+    runs.setdefault(name, {}).update({f'whole_run_{key}': harness.median([figures[key] for figures in measured])
                        for key in measured[0]})
 
   report = {'device': str(jax.devices()[0].device_kind), 'num_devices': jax.device_count(),
@@ -319,7 +320,7 @@ def main(argv):
       [f'median of {FLAGS.rounds} rounds', *runs],
       [[key, *(f'{runs[name].get(key, float("nan")):.4g}' for name in runs)] for key in names],
       align='l' + 'r' * len(runs)))
-  if FLAGS.reference:
+  if FLAGS.reference and FLAGS.rounds:
     # Per round, so that drift between rounds cancels out of each ratio.
     speedups = [project['train_examples_per_sec'] / reference['train_examples_per_sec']
                 for project, reference in zip(rounds['project'], rounds['reference'])]
