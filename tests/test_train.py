@@ -20,6 +20,7 @@ from tests.helpers.build import create
 from tests.helpers.build import random_batch
 import train
 from training import evaluation
+from training import hooks
 from training import optimizers
 from training import parallel
 from training import run_spec
@@ -95,6 +96,29 @@ def test_steps_compiled_ahead_are_reused_and_change_nothing():
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(key_data, ahead),
                jax.tree.map(key_data, plain))
   assert ahead_scalars == plain_scalars
+
+
+def test_the_loops_steps_update_the_state_as_nnx_jit_updates_it_in_place():
+  # The loop steps the state's arrays through its own program and writes them back when a hook
+  # reads the state; a hook's change (here the metric window's reset) reaches the next step.
+  stepped, train_step = create(ema_decay=0.9)  # Dropout's random streams advance, the EMA too.
+  in_place, _ = create(ema_decay=0.9)
+  update_in_place = nnx.jit(train_step.update)
+  loop = hooks.Loop(stepped, steps_per_epoch=2, num_steps=4)
+  for seed in range(4):
+    loop.train(train_step, random_batch(seed=seed))
+    update_in_place(in_place, random_batch(seed=seed))
+    if seed == 1:
+      loop.state.window.reset()
+      in_place.window.reset()
+  assert int(loop.state.window.count[...]) == 64 and int(loop.dispatched) == 4
+  jax.tree.map(_assert_equal, nnx.state(loop.state), nnx.state(in_place))
+
+
+def _assert_equal(a: jax.Array, b: jax.Array) -> None:
+  if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):  # The random streams' keys.
+    a, b = jax.random.key_data(a), jax.random.key_data(b)
+  np.testing.assert_array_equal(a, b)
 
 
 def test_steps_compiled_in_a_thread_for_the_planned_state_serve_the_built_state():

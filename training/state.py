@@ -248,7 +248,7 @@ class TrainStep:
   """
 
   def __init__(self, update: Callable[[TrainState, Batch], None]):
-    self._update = update
+    self.update = update  # The update itself, in place, uncompiled.
     self._programs = {}  # By the state's structure.
 
   def program(self, state: TrainState) -> tuple[Callable, list]:
@@ -260,7 +260,7 @@ class TrainStep:
     if key not in self._programs:
       def step(leaves: list[jax.Array], batch: Batch) -> tuple[list[jax.Array], jax.Array]:
         state = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-        self._update(state, batch)
+        self.update(state, batch)
         return jax.tree.leaves(nnx.state(state)), state.optimizer.step[...]
 
       self._programs[key] = jax.jit(step, donate_argnums=0)
