@@ -193,14 +193,14 @@ def resolve(name: str, sections: Mapping[str, Any]) -> tuple[str, dict]:
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
   """The model a run trains: a registered model bound to its options (`MODELS.bind`), built
-  from the layers of `cpu_kernels` computing in `compute_dtype` (see `kernels`)."""
+  from the layers of `kernels` computing in `compute_dtype` (see `kernels`)."""
   name: str
   factory: Callable[..., nnx.Module]  # (image_shape, num_classes, *, layers, rngs)
-  cpu_kernels: str = 'auto'
+  kernels: str = 'auto'
   compute_dtype: str = 'float32'
 
   def build(self, image_shape: tuple[int, int, int], num_classes: int,
             rngs: nnx.Rngs) -> nnx.Module:
     """The model for `image_shape` and `num_classes`; its parameters are float32."""
-    layers = kernels.select_layers(self.cpu_kernels, compute_dtype=self.compute_dtype)
+    layers = kernels.select_layers(self.kernels, compute_dtype=self.compute_dtype)
     return self.factory(tuple(image_shape), num_classes, layers=layers, rngs=rngs)

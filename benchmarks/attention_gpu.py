@@ -41,10 +41,10 @@ NUM_CLASSES = 1000
 SIZE = 224
 
 
-def build(name: str, cpu_kernels: str):
+def build(name: str, kernels_setting: str):
   """The model (seed 0) with the stock ('off') or GPU ('auto') layers in bfloat16, its
   optimizer, and the compiled train step."""
-  layers = kernels.select_layers(cpu_kernels, 'gpu', 'bfloat16')
+  layers = kernels.select_layers(kernels_setting, 'gpu', 'bfloat16')
   model = models.MODELS.entry(name).factory((SIZE, SIZE, 3), NUM_CLASSES, layers=layers,
                                             rngs=nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, optax.sgd(0.01, momentum=0.9), wrt=nnx.Param)
@@ -72,7 +72,7 @@ def compare(name: str) -> dict:
   keys = jax.random.split(jax.random.key(1), 2)
   batch = (jax.random.uniform(keys[0], (FLAGS.batch_size, SIZE, SIZE, 3)),
            jax.random.randint(keys[1], (FLAGS.batch_size,), 0, NUM_CLASSES))
-  built = {kind: build(name, cpu_kernels) for kind, cpu_kernels in (('stock', 'off'),
+  built = {kind: build(name, setting) for kind, setting in (('stock', 'stock'),
                                                                     ('cudnn', 'auto'))}
   logits = {kind: np.asarray(nnx.jit(lambda model, images: model(images))(model, batch[0]),
                              np.float32) for kind, (model, _, _) in built.items()}

@@ -20,7 +20,7 @@ all of them alike; the table shows medians over the rounds and --json keeps ever
 Configurations:
   jax_auto, jax_off: this app's own train step (`training.state.create` and
       `make_train_step`, as `main.py` builds them) for `configs/finetune.py` with --config.model
-      set to the model, its `compute_dtype` the dtype and `cpu_kernels` auto (the XLA:CPU
+      set to the model, its `compute_dtype` the dtype and `kernels` auto (the XLA:CPU
       layers of kernels/cpu.py on a CPU, the stock ones elsewhere) or off: AdamW (weight decay
       0.05), warm-up + cosine, label smoothing 0.1, the EMA of the weights, 1,000 classes.
       Batches of random uint8 images, as the input pipeline hands them to the step (which
@@ -49,7 +49,7 @@ CPU without AVX512-BF16 or AMX, bfloat16 is emulated and PyTorch's bfloat16 conv
 matmuls run many times slower than float32: measure them at a smaller --batch_size, in a run of
 their own.
 
-GPU (--device=cuda): JAX on its GPU backend (the venv needs jax[cuda]) with cpu_kernels off
+GPU (--device=cuda): JAX on its GPU backend (the venv needs jax[cuda]) with kernels stock
 and PyTorch on CUDA; default configurations jax_off, torch_eager, torch_compile.
 `benchmarks/backbones_gpu.sh` is the prepared run.
 
@@ -175,7 +175,7 @@ def app_run(configuration: str, model: str, dtype: str):
   config = finetune.get_config()
   config.model = model
   config.compute_dtype = dtype
-  config.cpu_kernels = 'auto' if configuration == 'jax_auto' else 'off'
+  config.kernels = 'auto' if configuration == 'jax_auto' else 'stock'
   config.batch_size = FLAGS.batch_size
   return run_spec.resolve(config)
 

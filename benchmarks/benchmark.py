@@ -6,7 +6,7 @@ Each measurement runs in a fresh child process, set up as its program runs by it
 project as `main.py` does (with its malloc setting on CPU), the reference (the official Flax NNX
 MNIST example's loop, `benchmarks/reference_mnist.py`) as published. With --reference, another
 child runs the reference with the project's malloc setting, to show what that setting alone
-gives it; with --stock_layers, another runs the project with config.cpu_kernels='off'.
+gives it; with --stock_layers, another runs the project with config.kernels='stock'.
 The children alternate for --rounds rounds, so that a machine's speed drifting over the run
 (shared cloud cores do) hits all of them alike; the table shows each figure's median.
 
@@ -63,7 +63,7 @@ flags.DEFINE_integer('rounds', 3, 'Alternating rounds of measurements; figures a
                      '(0: none, for --whole_runs alone).', lower_bound=0)
 flags.DEFINE_bool('reference', False, 'Also measure the reference example, side by side.')
 flags.DEFINE_bool('stock_layers', False,
-                  "Also measure the project with config.cpu_kernels='off' (flax's stock layers).")
+                  "Also measure the project with config.kernels='stock' (flax's stock layers).")
 flags.DEFINE_bool('time_to_accuracy', False, 'Also train for real until --target_accuracy.')
 flags.DEFINE_float('target_accuracy', 0.99, 'Eval accuracy that ends a time-to-accuracy run.')
 flags.DEFINE_integer('whole_runs', 0, "Also train config.num_epochs for real this many times, "
@@ -80,7 +80,7 @@ flags.DEFINE_bool('keep_freed_memory', False, "Set malloc up as main.py does on 
 # Child runs: (name in the table, program measured, with the project's malloc setting, extra
 # flags).
 _PROJECT = ('project', 'project', True, ())
-_STOCK_LAYERS = ('project_stock_layers', 'project', True, ('--config.cpu_kernels=off',))
+_STOCK_LAYERS = ('project_stock_layers', 'project', True, ('--config.kernels=stock',))
 _REFERENCE_RUNS = [('reference', 'reference', False, ()),
                    ('reference_kept_memory', 'reference', True, ())]
 

@@ -12,7 +12,7 @@ evaluates the whole test split after every epoch:
       `python -m benchmarks.pytorch_mnist --variant=...` (see that module), data in memory.
   project_{auto,off}_{float32,bfloat16}:
       `python main.py --config=configs/default.py --workdir=TMP --config.num_epochs=E`, with
-      `--config.cpu_kernels=off` and `--config.compute_dtype=bfloat16` where named; its figures
+      `--config.kernels=stock` and `--config.compute_dtype=bfloat16` where named; its figures
       come from `<workdir>/metrics.jsonl` (`read_metrics`).
 The configurations alternate round by round, so that a machine's speed drifting over the run
 (shared cloud cores do) hits all of them alike; the table shows each figure's median over the
@@ -36,7 +36,7 @@ features (AVX2, AVX-512, AVX512-BF16, AMX) with the core count and library versi
 speed on CPU hangs on them, so figures from different machines must never be mixed.
 
 GPU (--device=cuda): the PyTorch children train on CUDA and the project runs with its stock
-layers (cpu_kernels=off) on JAX's GPU backend (the venv needs jax[cuda]); default
+layers (kernels=stock) on JAX's GPU backend (the venv needs jax[cuda]); default
 configurations: torch_eager, torch_autocast_bf16, torch_compile, project_off_float32,
 project_off_bfloat16, and the matmul peaks are the GPU's, at each library's default matmul
 precision (JAX's float32 default uses TF32 on recent GPUs, torch's does not; cuDNN convolutions
@@ -97,14 +97,14 @@ class Configuration:
   name: str
   library: str  # 'torch' (benchmarks.pytorch_mnist) or 'jax' (main.py).
   dtype: str  # What its matmuls compute in: the peak it is compared with.
-  option: str  # torch: its --variant; jax: its config.cpu_kernels.
+  option: str  # torch: its --variant; jax: 'auto' or 'off' (config.kernels='stock').
 
   @property
   def child_flags(self) -> list[str]:
     """Its own flags, beside those every child of its library gets."""
     if self.library == 'torch':
       return [f'--variant={self.option}']
-    return ((['--config.cpu_kernels=off'] if self.option == 'off' else [])
+    return ((['--config.kernels=stock'] if self.option == 'off' else [])
             + (['--config.compute_dtype=bfloat16'] if self.dtype == 'bfloat16' else []))
 
 
@@ -114,8 +114,8 @@ TORCH_VARIANTS = {'eager': 'float32', 'autocast_bf16': 'bfloat16', 'compile': 'f
 CONFIGURATIONS = {c.name: c for c in [
     *(Configuration(f'torch_{variant}', 'torch', dtype, variant)
       for variant, dtype in TORCH_VARIANTS.items()),
-    *(Configuration(f'project_{cpu_kernels}_{dtype}', 'jax', dtype, cpu_kernels)
-      for cpu_kernels in ('auto', 'off') for dtype in ('float32', 'bfloat16'))]}
+    *(Configuration(f'project_{layers}_{dtype}', 'jax', dtype, layers)
+      for layers in ('auto', 'off') for dtype in ('float32', 'bfloat16'))]}
 DEFAULT_VARIANTS = {
     'cpu': list(CONFIGURATIONS),
     'cuda': ['torch_eager', 'torch_autocast_bf16', 'torch_compile', 'project_off_float32',

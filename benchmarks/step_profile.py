@@ -129,7 +129,7 @@ def profile(config) -> tuple[object, list[tuple[float, str, hlo.Operation]], str
        for name, picoseconds in hlo.host_events(space).items() if name in operations),
       reverse=True)
   peak = harness.matmul_flops_per_sec() / 1e9
-  summary = (f'{config.model}, batch {config.batch_size}, cpu_kernels={config.cpu_kernels}, '
+  summary = (f'{config.model}, batch {config.batch_size}, kernels={config.kernels}, '
              f'{config.compute_dtype}, images {info.image_shape}: {untraced[0]:.1f} ms per step '
              f'untraced (min of {FLAGS.repeats} x {FLAGS.steps}; median '
              f'{untraced[len(untraced) // 2]:.1f}), {step_ms:.1f} ms traced; 2048x2048 matmul '

@@ -76,9 +76,10 @@ def get_config() -> ml_collections.ConfigDict:
       # residual blocks per stage: 6 * blocks_per_stage + 2 layers.
       'cifar_resnet': {'widths': (16, 32, 64), 'blocks_per_stage': 3},
   })
-  # 'auto': layers written for XLA:CPU (kernels/cpu.py) on the CPU backend, flax's stock layers
-  # elsewhere; 'off': always the stock layers. Both compute the same function.
-  config.cpu_kernels = 'auto'
+  # 'auto': the layers written for the backend (kernels/: cpu.py on XLA:CPU, gpu.py on a CUDA
+  # GPU, tpu.py on a TPU), flax's stock layers elsewhere; 'stock': always flax's stock layers.
+  # Both compute the same function. (Formerly config.cpu_kernels, 'off' for 'stock'.)
+  config.kernels = 'auto'
   # 'float32' or 'bfloat16': the dtype the layers compute in, forward and backward. Parameters,
   # optimizer state, BatchNorm statistics and the loss stay float32.
   config.compute_dtype = 'float32'

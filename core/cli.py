@@ -14,6 +14,7 @@ import ml_collections
 from ml_collections import config_flags
 
 from core import errors
+from core.saved_config import renamed as renamed_key
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -80,6 +81,8 @@ def _exit_unknown_key(error: AttributeError | KeyError, argv: list[str]) -> None
     error = error.args[0]
   key, *hint = str(error.args[0]).split('\n')
   key = key.strip('"\'')
+  if (new := renamed_key(key)) is not None:
+    hint = [f'it is now {new}']
   override = next((arg.split('=')[0] for arg in argv if re.match(
       rf'--config\.(.+\.)?{re.escape(key)}(\.|=|$)', arg)), f'--config.{key}')
   sys.exit(f'Config error: {override} is not a key of the config'

@@ -14,15 +14,33 @@ import ml_collections
 from configs import default
 
 CONFIG_FILE = 'config.json'
+# Keys renamed since a workdir may have been trained: old name -> (new name, {old value: new}).
+RENAMED = {'cpu_kernels': ('kernels', {'auto': 'auto', 'off': 'stock'})}
+
+
+def renamed(key: str) -> str | None:
+  """What a renamed key is called now ('config.kernels (its 'off' is now 'stock')'), or
+  None if `key` was not renamed."""
+  if key not in RENAMED:
+    return None
+  new, values = RENAMED[key]
+  changed = ', '.join(f'{old!r} is now {value!r}' for old, value in values.items()
+                      if old != value)
+  return f'config.{new}' + (f' ({changed})' if changed else '')
 
 
 def read(workdir: str) -> ml_collections.ConfigDict | None:
-  """The config `workdir`'s checkpoints were trained with, as saved; None if none is."""
+  """The config `workdir`'s checkpoints were trained with, as saved, its renamed keys under
+  their new names; None if none is."""
   path = os.path.join(workdir, CONFIG_FILE)
   if not os.path.exists(path):
     return None
   with open(path, encoding='utf-8') as file:
-    return ml_collections.ConfigDict(json.load(file))
+    saved = json.load(file)
+  for old, (new, values) in RENAMED.items():
+    if old in saved:
+      saved[new] = values.get(saved.pop(old), saved.get(new))
+  return ml_collections.ConfigDict(saved)
 
 
 def with_defaults(workdir: str) -> ml_collections.ConfigDict | None:

@@ -3,7 +3,7 @@
 Models take a `Layers` and build their convolutions, dense layers, batch and layer norms,
 dropout, average and max pooling, attention and exact GELU from it, the way flax's imagenet
 example injects `conv: ModuleDef`.
-`select_layers` is the one place that decides, by `config.cpu_kernels` and JAX's backend,
+`select_layers` is the one place that decides, by `config.kernels` and JAX's backend,
 whether the stock layers, the XLA:CPU ones (`kernels/cpu.py`), the CUDA ones (`kernels/gpu.py`)
 or the TPU ones (`kernels/tpu.py`) are used, and, by
 `config.compute_dtype`, the dtype the layers compute in (their parameters stay float32). All
@@ -23,7 +23,7 @@ from kernels import cpu
 from kernels import gpu
 from kernels import tpu
 
-CPU_KERNELS = ('auto', 'off')
+KERNELS = ('auto', 'stock')
 COMPUTE_DTYPES = ('float32', 'bfloat16')
 
 
@@ -49,24 +49,24 @@ GPU_LAYERS = Layers(attention=gpu.dot_product_attention)
 TPU_LAYERS = Layers(attention=tpu.dot_product_attention, gelu=tpu.gelu)
 
 
-def select_layers(cpu_kernels: str, backend: str | None = None,
+def select_layers(kernels: str, backend: str | None = None,
                   compute_dtype: str = 'float32') -> Layers:
-  """The layers for `config.cpu_kernels` on `backend` (default: JAX's default backend).
+  """The layers for `config.kernels` on `backend` (default: JAX's default backend).
 
   'auto' uses the CPU layers on the CPU backend, the GPU layers on the CUDA backend ('gpu'), the
-  TPU layers on the TPU backend and the stock layers everywhere else; 'off' always uses the
-  stock layers (the config key keeps its first name). With `compute_dtype` 'bfloat16' the
+  TPU layers on the TPU backend and the stock layers everywhere else; 'stock' always uses the
+  stock layers. With `compute_dtype` 'bfloat16' the
   layers with parameters compute in bfloat16 (their inputs and parameters are cast to it) and
   keep float32 parameters; the layers without parameters compute in the dtype of their inputs.
   """
-  for key, value, valid in (('cpu_kernels', cpu_kernels, CPU_KERNELS),
+  for key, value, valid in (('kernels', kernels, KERNELS),
                             ('compute_dtype', compute_dtype, COMPUTE_DTYPES)):
     if value not in valid:
       raise errors.ConfigError(f'Unknown {key} {value!r}: config.{key} must be one of '
                                f'{list(valid)}.', key=key, value=value)
   backend = backend or jax.default_backend()
   layers = ({'cpu': CPU_LAYERS, 'gpu': GPU_LAYERS, 'tpu': TPU_LAYERS}.get(backend, STOCK_LAYERS)
-            if cpu_kernels == 'auto' else STOCK_LAYERS)
+            if kernels == 'auto' else STOCK_LAYERS)
   if compute_dtype == 'float32':
     return layers
 

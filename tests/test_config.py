@@ -1,6 +1,7 @@
 """Bad input fails fast, before any data is read, as a typed error naming the key and value."""
 
 import glob
+import json
 import importlib
 import os
 import subprocess
@@ -12,6 +13,7 @@ import image_folders
 
 from configs import default
 from core import errors
+from core import saved_config
 from data_sources import base
 import train
 from training import workdirs
@@ -34,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ('eval_batch_size', 0, 'eval_batch_size'),
     ('checkpoint_every_steps', 0, 'checkpoint_every_steps'),
     ('max_checkpoints_to_keep', 0, 'max_checkpoints_to_keep'),
-    ('cpu_kernels', 'on', 'cpu_kernels'),
+    ('kernels', 'on', 'kernels'),
     ('ema_decay', 1.0, 'ema_decay'),
     ('warmup_epochs', 11.0, 'warmup_epochs'),
     ('early_stopping_patience', -1, 'early_stopping_patience'),
@@ -137,6 +139,9 @@ def test_a_number_or_choice_mistake_is_refused_before_jax_starts(tmp_path, args,
      'Config error: --config.evaluations.holdout.every is not a key of the config'),
     (['--mode=eval', '--config.evaluations.holdout.every=2'],  # The default config, at import.
      'Config error: --config.evaluations.holdout.every is not a key of the config'),
+    (['--config=configs/default.py', '--config.cpu_kernels=off'],  # A renamed key.
+     "Config error: --config.cpu_kernels is not a key of the config (it is now config.kernels "
+     "('off' is now 'stock'))"),
 ])
 def test_cli_mistakes_end_in_one_line(tmp_path, args, line):
   result = _main(*args, f'--workdir={tmp_path}')
@@ -162,3 +167,18 @@ def test_overrides_without_config_take_the_keys_of_the_workdirs_saved_config(tmp
   assert result.returncode == 1
   assert result.stderr.strip().splitlines()[-1].startswith('Checkpoint error: No checkpoint'), (
       result.stderr[-2000:])
+
+
+def test_a_renamed_key_is_read_under_its_new_name_from_a_workdir_and_refused_in_a_config(
+    tmp_path):
+  # A workdir trained before config.cpu_kernels became config.kernels resumes, predicts and
+  # exports as before; a config file that still sets the old key is refused, naming it.
+  (tmp_path / saved_config.CONFIG_FILE).write_text(json.dumps({'cpu_kernels': 'off'}))
+  saved = saved_config.with_defaults(str(tmp_path))
+  assert saved.kernels == 'stock' and 'cpu_kernels' not in saved
+  run_spec.resolve(saved)
+  config = default.get_config()
+  config.cpu_kernels = 'off'
+  with pytest.raises(errors.ConfigError) as error:
+    run_spec.resolve(config)
+  assert (error.value.key, error.value.value) == ('cpu_kernels', 'off')

@@ -3,10 +3,7 @@ streaming, data errors."""
 
 import logging
 import os
-import re
 import shutil
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -320,22 +317,3 @@ def test_streamed_shuffle_buffers_hold_what_fits_in_memory(tmp_path, monkeypatch
   assert len(warnings()) == 1 and '768-byte' in warnings()[0]
   batches = list(input_pipeline.train_batches(split, data, run.input, 4))
   assert len(batches) == 4 and batches[0]['image'].shape == (4, 16, 16, 3)
-
-
-@pytest.mark.slow
-def test_input_pipeline_benchmark_prints_images_per_second(tmp_path):
-  """benchmarks/input_pipeline.py on a tiny generated folder: its epochs, and a last line
-  that ends with the app's images/s (PyTorch's rows too when the extras are installed)."""
-  root = tmp_path / 'photos'
-  result = subprocess.run(
-      [sys.executable, '-m', 'benchmarks.input_pipeline', '--config=configs/finetune.py',
-       '--config.data_source=folder', f'--config.dataset={root}', '--config.batch_size=4',
-       '--make_folder=20', '--epochs=2', '--torch=false', '--grain=false'],
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
-      text=True, timeout=900)
-  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-  lines = result.stdout.strip().splitlines()
-  assert lines[0].startswith('CPU: ')
-  assert re.fullmatch(r"this app, epoch 2 \(decoded_cache='auto'\): \d+ images/s", lines[-1])
-  assert re.fullmatch(r'this app, epoch 1 \(decodes the files\): \d+ images/s', lines[-2])
-  assert len(list(root.glob('train/*/*.jpg'))) == 20

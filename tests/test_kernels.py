@@ -36,10 +36,10 @@ def test_select_layers_by_backend_and_switch():
   assert kernels.select_layers('auto', 'gpu') is kernels.GPU_LAYERS
   assert kernels.select_layers('auto', 'tpu') is kernels.TPU_LAYERS
   for backend in ('cpu', 'gpu', 'tpu'):
-    assert kernels.select_layers('off', backend) is kernels.STOCK_LAYERS
+    assert kernels.select_layers('stock', backend) is kernels.STOCK_LAYERS
   with pytest.raises(errors.ConfigError) as error:
     kernels.select_layers('on', 'cpu')
-  assert (error.value.key, error.value.value) == ('cpu_kernels', 'on')
+  assert (error.value.key, error.value.value) == ('kernels', 'on')
 
 
 def test_gpu_attention_is_the_stock_function_where_cudnn_does_not_take_the_inputs():

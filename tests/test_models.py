@@ -79,10 +79,10 @@ def test_resnet20_parameter_count_and_shapes():
 def test_resnet_cpu_layers_compute_the_stock_function(image_shape=(28, 28, 1)):
   """Narrow and shallow (for test time), but with every kind of block: plain, downsampling
   (a stride-2 convolution, which the CPU layer runs as the stock one does)."""
-  def create(cpu_kernels):
-    return _create('cifar_resnet', image_shape, num_classes=7, cpu_kernels=cpu_kernels,
+  def create(kernels_setting):
+    return _create('cifar_resnet', image_shape, num_classes=7, kernels=kernels_setting,
                    model_options={'cifar_resnet': {'widths': (4, 8), 'blocks_per_stage': 2}})
-  stock, cpu = create('off'), create('auto')
+  stock, cpu = create('stock'), create('auto')
   assert [block.conv2.kernel.shape for block in cpu.blocks] == [(3, 3, 4, 4)] * 2 + [
       (3, 3, 8, 8)] * 2
   assert isinstance(cpu.stem, kernels.cpu.Conv) and not isinstance(stock.stem, kernels.cpu.Conv)

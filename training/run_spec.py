@@ -24,6 +24,7 @@ import optax
 
 from core import config_values
 from core import errors
+from core import saved_config
 import data_sources
 from data_sources import base
 import evaluators
@@ -150,6 +151,10 @@ def _options(config: ml_collections.ConfigDict, key: str) -> dict:
 
 def resolve(config: ml_collections.ConfigDict) -> Run:
   """The `Run` of `config`; a `ConfigError` (or `MissingPackage`) naming the first bad key."""
+  for old in saved_config.RENAMED:
+    if old in config:  # A config file written before the key was renamed.
+      raise errors.ConfigError(f'config.{old} is now {saved_config.renamed(old)}: rename it in '
+                               'the config file.', key=old, value=config[old])
   _check_values(config)
   source = init_from.parse(config.init_from, tuple(config.init_exclude), config.init_keep_head)
   model = _model(config)
@@ -263,13 +268,13 @@ def _input(config: ml_collections.ConfigDict,
 
 def _model(config: ml_collections.ConfigDict) -> models.ModelSpec:
   # Checks the values only: a named backend keeps JAX (and its accelerators) unstarted.
-  kernels.select_layers(config.cpu_kernels, backend='cpu', compute_dtype=config.compute_dtype)
+  kernels.select_layers(config.kernels, backend='cpu', compute_dtype=config.compute_dtype)
   name, options = models.resolve(config.model, config.model_options)
   if name != config.model:
     logging.warning("config.model=%r is the former name of %r, the same model: use %r.",
                     config.model, name, name)
   return models.ModelSpec(name, models.MODELS.bind(name, options),
-                          cpu_kernels=config.cpu_kernels, compute_dtype=config.compute_dtype)
+                          kernels=config.kernels, compute_dtype=config.compute_dtype)
 
 
 def _optimization(config: ml_collections.ConfigDict) -> optimizers.Optimization:

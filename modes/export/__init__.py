@@ -149,7 +149,7 @@ def load_classifier(run: run_spec.Run, workdir: str, checkpoint: str = 'latest')
   # The stock layers: the XLA:CPU ones (kernels/cpu.py) choose their algorithm from the batch
   # size while tracing, which a batch of symbolic size cannot answer; both compute the same
   # function of the same weights.
-  run = dataclasses.replace(run, model=dataclasses.replace(run.model, cpu_kernels='off'))
+  run = dataclasses.replace(run, model=dataclasses.replace(run.model, kernels='stock'))
   info = modes.dataset_info(run, workdir)
   model, step = modes.load_model(run, workdir, info, checkpoint)
   return classifier_of(model, info, run.input.preprocess,

@@ -139,4 +139,4 @@ def test_configurations_pass_their_options_as_flags():
   assert peer.CONFIGURATIONS['torch_autocast_bf16'].child_flags == ['--variant=autocast_bf16']
   assert peer.CONFIGURATIONS['project_auto_float32'].child_flags == []
   assert peer.CONFIGURATIONS['project_off_bfloat16'].child_flags == [
-      '--config.cpu_kernels=off', '--config.compute_dtype=bfloat16']
+      '--config.kernels=stock', '--config.compute_dtype=bfloat16']

@@ -23,11 +23,11 @@ def _create(name, **config_overrides):
   return state_lib.run_once(lambda: spec.build((28, 28, 1), 10, nnx.Rngs(0)))
 
 
-@pytest.mark.parametrize('cpu_kernels', kernels.CPU_KERNELS)
-def test_cnn_is_the_reference_example_function(cpu_kernels):
+@pytest.mark.parametrize('kernels_setting', kernels.KERNELS)
+def test_cnn_is_the_reference_example_function(kernels_setting):
   """The same parameters give the reference CNN's outputs in eval mode, and in training mode the
   same outputs and gradients when dropout is deterministic (the masks are random by design)."""
-  model = _create('cnn', cpu_kernels=cpu_kernels)
+  model = _create('cnn', kernels=kernels_setting)
   reference = state_lib.run_once(lambda: reference_mnist.ReferenceCNN(rngs=nnx.Rngs(1)))
   nnx.update(reference, *nnx.state(model, nnx.Param, nnx.BatchStat))
   x = jax.random.uniform(jax.random.key(0), (16, 28, 28, 1))
