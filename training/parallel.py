@@ -110,6 +110,8 @@ def state_sharding(mesh: jax.sharding.Mesh, shape: tuple[int, ...]) -> NamedShar
 
 def shard(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh):
   """Global arrays from this process's share of a batch, split along its first axis."""
+  if jax.process_count() == 1:  # The share is the whole batch: `device_put` places it with
+    return jax.device_put(batch, _batch_sharding(mesh))  # less host work, every step.
   return jax.make_array_from_process_local_data(_batch_sharding(mesh), batch)
 
 

@@ -242,9 +242,9 @@ class TrainStep:
   steps. Both run one program per structure of state (`lower` compiles it ahead).
 
   The program is a `jax.jit` function of the state's arrays as one flat list, not an `nnx.jit`
-  one: on a chip whose step takes a fraction of a millisecond (MNIST's CNN), `nnx.jit` through
-  `nnx.cached_partial` spent 2.5 ms of host time a step walking and updating the graph of
-  modules and variables, and the chip idled (docs/accelerators.md).
+  one: `nnx.jit`, even through `nnx.cached_partial`, walks and updates the graph of modules and
+  variables on the host at every call, and a chip whose step takes a fraction of a millisecond
+  (MNIST's CNN) idled between steps (docs/accelerators.md).
   """
 
   def __init__(self, update: Callable[[TrainState, Batch], None]):
