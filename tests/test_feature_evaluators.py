@@ -113,6 +113,7 @@ def _folder_config(root: str):
   return config
 
 
+@pytest.mark.slow  # A whole training run, then an eval run.
 def test_a_run_and_eval_mode_report_knn_and_fewshot_fitted_on_the_training_split(tmp_path):
   """A resnet18 trained one epoch on a small folder: its eval writes knn5 and fewshot2
   accuracies every epoch, fitted on the training split's features; --mode=eval of the same
