@@ -19,8 +19,8 @@ RENAMED = {'cpu_kernels': ('kernels', {'auto': 'auto', 'off': 'stock'})}
 
 
 def renamed(key: str) -> str | None:
-  """What a renamed key is called now ('config.kernels (its 'off' is now 'stock')'), or
-  None if `key` was not renamed."""
+  """What a renamed key is called now, with its renamed values ("config.kernels ('off' is
+  now 'stock')"); None if `key` was not renamed."""
   if key not in RENAMED:
     return None
   new, values = RENAMED[key]
@@ -39,7 +39,8 @@ def read(workdir: str) -> ml_collections.ConfigDict | None:
     saved = json.load(file)
   for old, (new, values) in RENAMED.items():
     if old in saved:
-      saved[new] = values.get(saved.pop(old), saved.get(new))
+      value = saved.pop(old)
+      saved[new] = values.get(value, value)  # An unknown value is refused under the new key.
   return ml_collections.ConfigDict(saved)
 
 

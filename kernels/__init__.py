@@ -55,9 +55,9 @@ def select_layers(kernels: str, backend: str | None = None,
 
   'auto' uses the CPU layers on the CPU backend, the GPU layers on the CUDA backend ('gpu'), the
   TPU layers on the TPU backend and the stock layers everywhere else; 'stock' always uses the
-  stock layers. With `compute_dtype` 'bfloat16' the
-  layers with parameters compute in bfloat16 (their inputs and parameters are cast to it) and
-  keep float32 parameters; the layers without parameters compute in the dtype of their inputs.
+  stock layers. With `compute_dtype` 'bfloat16' the layers with parameters compute in bfloat16
+  (their inputs and parameters are cast to it) and keep float32 parameters; the layers without
+  parameters compute in the dtype of their inputs.
   """
   for key, value, valid in (('kernels', kernels, KERNELS),
                             ('compute_dtype', compute_dtype, COMPUTE_DTYPES)):
