@@ -42,7 +42,7 @@ SIZE = 224
 
 
 def build(name: str, kernels_setting: str):
-  """The model (seed 0) with the stock ('off') or GPU ('auto') layers in bfloat16, its
+  """The model (seed 0) with the stock ('stock') or GPU ('auto') layers in bfloat16, its
   optimizer, and the compiled train step."""
   layers = kernels.select_layers(kernels_setting, 'gpu', 'bfloat16')
   model = models.MODELS.entry(name).factory((SIZE, SIZE, 3), NUM_CLASSES, layers=layers,
@@ -73,7 +73,7 @@ def compare(name: str) -> dict:
   batch = (jax.random.uniform(keys[0], (FLAGS.batch_size, SIZE, SIZE, 3)),
            jax.random.randint(keys[1], (FLAGS.batch_size,), 0, NUM_CLASSES))
   built = {kind: build(name, setting) for kind, setting in (('stock', 'stock'),
-                                                                    ('cudnn', 'auto'))}
+                                                            ('cudnn', 'auto'))}
   logits = {kind: np.asarray(nnx.jit(lambda model, images: model(images))(model, batch[0]),
                              np.float32) for kind, (model, _, _) in built.items()}
   row = {'model': name, 'batch_size': FLAGS.batch_size,

@@ -21,7 +21,7 @@ Configurations:
   jax_auto, jax_off: this app's own train step (`training.state.create` and
       `make_train_step`, as `main.py` builds them) for `configs/finetune.py` with --config.model
       set to the model, its `compute_dtype` the dtype and `kernels` auto (the XLA:CPU
-      layers of kernels/cpu.py on a CPU, the stock ones elsewhere) or off: AdamW (weight decay
+      layers of kernels/cpu.py on a CPU, the stock ones elsewhere) or stock: AdamW (weight decay
       0.05), warm-up + cosine, label smoothing 0.1, the EMA of the weights, 1,000 classes.
       Batches of random uint8 images, as the input pipeline hands them to the step (which
       scales them to what the model takes).

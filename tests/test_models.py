@@ -13,25 +13,11 @@ from configs import cifar10
 from configs import default
 import image_folders
 from training import run_spec
-from training import state as state_lib
 from training import workdirs
+from tests.helpers import build
 
 
-def _config(name, **config_overrides):
-  config = default.get_config()
-  config.model = name
-  config.update(config_overrides)
-  return config
-
-
-def _built(config, image_shape=(28, 28, 1), num_classes=10, seed=0):
-  """`config`'s model, initialised in one program (`run_once`)."""
-  spec = run_spec.resolve(config).model
-  return state_lib.run_once(lambda: spec.build(image_shape, num_classes, nnx.Rngs(seed)))
-
-
-def _create(name, image_shape=(28, 28, 1), num_classes=10, seed=0, **config_overrides):
-  return _built(_config(name, **config_overrides), image_shape, num_classes, seed)
+_config, _built, _create = build.model_config, build.build_model, build.create_model
 
 
 def _shapes(name, image_shape, **config_overrides):

@@ -28,6 +28,25 @@ def create(**overrides):
   return state, state_lib.make_train_step(run.loss(INFO.num_classes), run.input.preprocess)
 
 
+def model_config(name, **config_overrides):
+  """`configs/default.py` training the model `name`, with `config_overrides`."""
+  config = default.get_config()
+  config.model = name
+  config.update(config_overrides)
+  return config
+
+
+def build_model(config, image_shape=(28, 28, 1), num_classes=10, seed=0):
+  """`config`'s model, initialised in one program (`run_once`)."""
+  spec = run_spec.resolve(config).model
+  return state_lib.run_once(lambda: spec.build(image_shape, num_classes, nnx.Rngs(seed)))
+
+
+def create_model(name, image_shape=(28, 28, 1), num_classes=10, seed=0, **config_overrides):
+  """The model `name` of `configs/default.py` with `config_overrides`, initialised."""
+  return build_model(model_config(name, **config_overrides), image_shape, num_classes, seed)
+
+
 def random_batch(batch_size=32, seed=0):
   rng = np.random.default_rng(seed)
   return {'image': rng.random((batch_size, 28, 28, 1), dtype=np.float32),

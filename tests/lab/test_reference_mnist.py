@@ -8,26 +8,16 @@ import numpy as np
 import pytest
 
 from benchmarks import reference_mnist
-from configs import default
 import kernels
-from training import run_spec
+from tests.helpers.build import create_model
 from training import state as state_lib
-
-
-def _create(name, **config_overrides):
-  """`configs/default.py`'s model `name` with `config_overrides`, initialised in one program."""
-  config = default.get_config()
-  config.model = name
-  config.update(config_overrides)
-  spec = run_spec.resolve(config).model
-  return state_lib.run_once(lambda: spec.build((28, 28, 1), 10, nnx.Rngs(0)))
 
 
 @pytest.mark.parametrize('kernels_setting', kernels.KERNELS)
 def test_cnn_is_the_reference_example_function(kernels_setting):
   """The same parameters give the reference CNN's outputs in eval mode, and in training mode the
   same outputs and gradients when dropout is deterministic (the masks are random by design)."""
-  model = _create('cnn', kernels=kernels_setting)
+  model = create_model('cnn', kernels=kernels_setting)
   reference = state_lib.run_once(lambda: reference_mnist.ReferenceCNN(rngs=nnx.Rngs(1)))
   nnx.update(reference, *nnx.state(model, nnx.Param, nnx.BatchStat))
   x = jax.random.uniform(jax.random.key(0), (16, 28, 28, 1))
