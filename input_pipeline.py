@@ -32,7 +32,9 @@ compiling ahead.
 """
 
 import abc
+import collections
 from collections.abc import Callable, Iterator
+import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -207,17 +209,26 @@ class InMemory(base.Split, OpenedSplit):
     return len(self.labels)
 
   @functools.cached_property
-  def _examples(self) -> tf.data.Dataset:
-    """The arrays as a dataset: built once, as it holds a copy of them."""
-    return tf.data.Dataset.from_tensor_slices({'image': self.images, 'label': self.labels})
+  def _tensors(self) -> dict[str, tf.Tensor]:
+    """The arrays as tensors, copied once: every epoch gathers its examples from them."""
+    with tf.init_scope():  # Eager, even when first read while tf.data traces a function.
+      return {'image': tf.constant(self.images), 'label': tf.constant(self.labels)}
+
+  def _gather(self, indices: tf.Tensor) -> Batch:
+    return {name: tf.gather(values, indices) for name, values in self._tensors.items()}
 
   def epoch(self, inputs: Input, seed: int, batch_size: int, augment: bool) -> tf.data.Dataset:
-    examples = self._examples.shuffle(inputs.shuffle_buffer_size, seed=seed,
-                                      reshuffle_each_iteration=False)
+    # The buffer shuffles indices, not images: the same order as shuffling the examples (the
+    # same seed draws the same buffer slots), a buffer that fills faster, and whole batches
+    # gathered at once.
+    order = tf.data.Dataset.range(self.num_examples).shuffle(
+        inputs.shuffle_buffer_size, seed=seed, reshuffle_each_iteration=False)
     crop_op = inputs.preprocess.crop_op
-    if crop_op is not None:  # The split holds images before the crop: cut them one by one.
-      examples = (inputs.preprocess.crops(seed).each(examples) if augment
-                  else _mapped(examples, crop_op.eval_op))
+    if crop_op is None:
+      return order.batch(batch_size, drop_remainder=True).map(self._gather)
+    examples = order.map(self._gather)  # Images before the crop: cut one by one.
+    examples = (inputs.preprocess.crops(seed).each(examples) if augment
+                else _mapped(examples, crop_op.eval_op))
     return examples.batch(batch_size, drop_remainder=True)
 
   def eval_batches(self, batch_size: int, pad: int) -> Iterator[Batch]:
@@ -499,6 +510,18 @@ def train_batches(split: OpenedSplit, data: Data, inputs: Input, batch_size: int
     options = tf.data.Options()
     options.autotune.enabled = False
     yield from batches.prefetch(_PREFETCH_BATCHES).with_options(options).as_numpy_iterator()
+
+
+def read_ahead(batches: Iterator[Batch], size: int = _PREFETCH_BATCHES) -> Iterator[Batch]:
+  """`batches`, read up to `size` ahead by a background thread, across epoch ends too: while
+  the loop runs an epoch's end (saves, evaluations), the next epoch's pipeline starts and fills
+  its shuffle buffer. tf.data's own prefetch cannot: each epoch is its own iterator, started by
+  its first read."""
+  with concurrent.futures.ThreadPoolExecutor(max_workers=1) as reader:  # Reads in order.
+    pending = collections.deque(reader.submit(next, batches, None) for _ in range(size))
+    while (batch := pending.popleft().result()) is not None:
+      pending.append(reader.submit(next, batches, None))
+      yield batch
 
 
 def _augmented(inputs: Input, info: base.DatasetInfo, epoch: int, index: tf.Tensor,

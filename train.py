@@ -218,7 +218,8 @@ def _train_batches(session: Session, loop: hooks.Loop, train_split):
   batch_size = parallel.local_batch_size(run.batch_size)
   start = divmod(loop.step, loop.steps_per_epoch)
   if run.probe_views is None:
-    return input_pipeline.train_batches(train_split, session.data, run.input, batch_size, *start)
+    return input_pipeline.read_ahead(input_pipeline.train_batches(
+        train_split, session.data, run.input, batch_size, *start))
   views = feature_cache.compute(loop.state.model, train_split, session.data, run.input,
                                 batch_size, loop.steps_per_epoch, run.probe_views,
                                 run.num_epochs, session.place)

@@ -4,10 +4,12 @@ streaming, data errors."""
 import logging
 import os
 import shutil
+import time
 
 import jax
 import numpy as np
 import pytest
+import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from configs import default
@@ -95,6 +97,45 @@ def test_same_seed_same_order_other_seed_other_order():
   # Reshuffled every epoch, and each epoch sees distinct examples.
   assert not np.array_equal(first[0], first[1])
   assert all(len(set(epoch)) == len(epoch) for epoch in first)
+
+
+def test_in_memory_epochs_keep_the_order_of_a_shuffle_of_the_examples():
+  """An in-memory split's epoch shuffles indices in config.shuffle_buffer_size slots and
+  gathers the examples: the order tf.data gives by shuffling the examples themselves, with a
+  buffer smaller than the split (a window) or holding it all (a perfect shuffle)."""
+  split = _split(100)
+  for buffer in (1, 10, 100):
+    config = _config(num_epochs=1, shuffle_buffer_size=buffer, batch_size=10)
+    seed = input_pipeline.epoch_seed(config.seed, 0)
+    shuffled = tf.data.Dataset.from_tensor_slices(split.labels).shuffle(
+        buffer, seed=seed, reshuffle_each_iteration=False)
+    np.testing.assert_array_equal(_epoch_orders(split, config)[0], list(shuffled.as_numpy_iterator()))
+  assert not np.array_equal(_epoch_orders(split, _config(num_epochs=1))[0], split.labels)
+
+
+def test_read_ahead_reads_the_next_batches_before_they_are_asked_for():
+  """Up to `size` batches are read while the consumer holds the last one given (an epoch's end,
+  where the loop saves and evaluates), in order; the source's error reaches the consumer."""
+  read = []
+
+  def source():
+    for index in range(5):
+      read.append(index)
+      yield index
+  ahead = input_pipeline.read_ahead(source(), size=2)
+  assert next(ahead) == 0
+  deadline = time.time() + 10
+  while len(read) < 3 and time.time() < deadline:  # 0 given; 1 and 2 read ahead, not 3.
+    time.sleep(0.01)
+  time.sleep(0.05)
+  assert read == [0, 1, 2]
+  assert list(ahead) == [1, 2, 3, 4]
+
+  def failing():
+    yield 0
+    raise ValueError('damaged record')
+  with pytest.raises(ValueError, match='damaged record'):
+    list(input_pipeline.read_ahead(failing()))
 
 
 def test_start_epoch_continues_the_same_order():
