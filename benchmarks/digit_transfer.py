@@ -5,24 +5,28 @@ fine-tuned from a run of this app against from scratch, on MNIST or on generated
     python -m benchmarks.digit_transfer --mnist_folders=/tmp/mf --photo_folders=/tmp/photos \
       --work=/tmp/dt --seeds=0,1,2 --sizes=10,20,50 --out=docs/runs/digit_transfer.json
     python -m benchmarks.digit_transfer --table=docs/runs/digit_transfer.json  # The docs' table.
+    python -m benchmarks.digit_transfer --kinds=backbone --photo_folders=/tmp/photos \
+      --work=/tmp/dtb --seeds=0,1,2 --sizes=10,20,50 --out=docs/runs/digit_transfer_backbone.json
 
-The two kinds (`KINDS`, `--kinds`): MNIST's digits with `configs/default.py` (the folders
+The kinds (`KINDS`, `--kinds`): MNIST's digits with `configs/default.py` (the folders
 benchmarks.mnist_folders writes: digits04, digits59), and photos of digits in random colours at
 random places, 200-260 px (`data_sources.generated`'s 'digits', written on first use:
 200 training and 100 test photos of each digit, the two splits drawn by two seeds) with
-`configs/images.py`. For each kind, pretrains its config on the training images of digits 0-4
-(`--pretrain_epochs`, scored on their test images), then, for each size and seed, draws `size`
-training images of each digit 5-9 (by the seed) and trains on them twice with the recipe
-docs/fine_tuning.md gives for small folders (the kind's `recipe`, or `--recipe`): from scratch,
-and fine-tuned from the source run (`init_from`, every layer trained, or as `--finetune`'s flags
-say, e.g. some frozen; the head re-initialised by itself: the source run's class names are
-other ones, which the run's log says and `head_renewed` records); both scored on all test
-images of 5-9 after every epoch. Each run is `python main.py` in its own process; the
-figures are read from its metrics.jsonl, and written with the commands to `--out` after each
-kind (`harness.write_json`: with this command, the commit, the machine and the date), with two
-checks per kind and size: whether every seed's fine-tuned run ends above its run from scratch,
-and the largest rise of a run's eval loss after its best epoch (at most 2x is asked of a
-recipe). The table of docs/fine_tuning.md is printed at the end, and by `--table` from the JSON.
+`configs/images.py`; and 'backbone', the same photos with `configs/finetune.py`'s ResNet-18
+(pretrained by this app on digits 0-4: no weights can be downloaded), fine-tuned and linearly
+probed, against `configs/images.py` from scratch. For each kind, pretrains its config on the
+training images of digits 0-4 (`--pretrain_epochs`, scored on their test images), then, for each
+size and seed, draws `size` training images of each digit 5-9 (by the seed) and trains on them
+with the recipe docs/fine_tuning.md gives for small folders (the kind's `recipe`, or `--recipe`):
+from scratch, and from the source run (`init_from`, every layer trained, or as `--finetune`'s
+flags say, e.g. some frozen; a linear probe for 'backbone'; the head re-initialised by itself:
+the source run's class names are other ones, which the run's log says and `head_renewed`
+records); all scored on the test images of 5-9 after every epoch. Each run is `python main.py`
+in its own process; the figures are read from its metrics.jsonl, and written with the commands
+to `--out` after each kind (`harness.write_json`: with this command, the commit, the machine and
+the date), with two checks per kind and size: whether every seed's run from the source ends
+above its run from scratch, and the largest rise of a run's eval loss after its best epoch (at
+most 2x is asked of a recipe). The table of docs/fine_tuning.md is printed at the end, and by `--table` from the JSON.
 """
 
 import json
@@ -47,7 +51,8 @@ flags.DEFINE_string('work', None, 'Where the runs\' workdirs and logs go (emptie
 flags.DEFINE_list('seeds', ['0'], 'The seeds of the digits 5-9 runs (config.seed) and of the '
                   'images drawn for them.')
 flags.DEFINE_list('sizes', ['50'], 'Training images of each digit 5-9 (at most 50 for mnist).')
-flags.DEFINE_list('arms', ['finetune', 'scratch'], 'Which of the two runs to train.')
+flags.DEFINE_list('arms', None, "Which runs to train (default: the kind's runs from the source, "
+                  "and 'scratch').")
 flags.DEFINE_integer('pretrain_epochs', None, "Epochs of the pretraining on digits 0-4 (the "
                      "kind's by default).")
 flags.DEFINE_multi_string('recipe', None, 'A main.py flag of both arms of the digits 5-9 runs, '
@@ -59,21 +64,42 @@ flags.DEFINE_string('out', None, 'The JSON file of the figures.')
 
 class Kind(NamedTuple):
   """A kind of digit images: its config, its two folders' names (under --mnist_folders or
-  --photo_folders), the pretraining's epochs and the recipe docs/fine_tuning.md gives for a
-  small folder of it: the config's own optimizer along a cosine schedule after a warm-up
-  epoch (configs/images.py's already)."""
+  --photo_folders), the pretraining's epochs and flags, the recipe docs/fine_tuning.md gives for
+  a small folder of it (flags of every digits 5-9 run), the runs started from the source (arm:
+  their own flags) and the config and flags of the run from scratch (the config's own and the
+  recipe by default)."""
   config: str
   source: str
   target: str
   pretrain_epochs: int
   recipe: list[str]
+  pretrain: list[str] = []
+  tuned: dict[str, list[str]] = {'finetune': []}
+  scratch: tuple[str, list[str]] | None = None  # (config, flags) if not the config's recipe.
 
 
+# Photos of digits cut for a backbone on a 2-core CPU (112 px, not 224), standardised as the
+# small-folder recipe does (a digit's colours are random).
+_BACKBONE_PREPROCESS = ('--config.preprocess=resize(112)|translate(8)|'
+                        'standardize(per_channel=True, polarity=True)')
+# Half of the 500 test photos (files in the order of a hash of their path): a 112-px ResNet-18
+# scores them in about 4 s on 2 cores, after every epoch of every run.
+_HALF_TEST = '--config.eval_split=test[:50%]'
 KINDS = {
     'mnist': Kind('configs/default.py', 'digits04', 'digits59', 2,
                   ['--config.batch_size=25', '--config.num_epochs=5',
                    '--config.schedule=cosine', '--config.warmup_epochs=1']),
     'photos': Kind('configs/images.py', 'photos04', 'photos59', 20, []),
+    # A pretrained backbone (configs/finetune.py's resnet18, pretrained by this app on the
+    # photos of digits 0-4), fine-tuned and probed, against configs/images.py from scratch,
+    # the recipe docs/small_folders.md recommends for a small folder.
+    'backbone': Kind('configs/finetune.py', 'photos04', 'photos59', 10,
+                     [_BACKBONE_PREPROCESS, '--config.batch_size=16', '--config.num_epochs=10',
+                      _HALF_TEST],
+                     pretrain=[_BACKBONE_PREPROCESS, '--config.learning_rate=0.001'],
+                     tuned={'finetune': [], 'probe': ['--config.linear_probe=True',
+                                                      '--config.learning_rate=0.01']},
+                     scratch=('configs/images.py', [_HALF_TEST])),
 }
 PHOTO_SIZES = (200, 260)  # Height and width of the generated photos, each drawn in this range.
 PHOTOS_PER_DIGIT = {'train': 200, 'test': 100}
@@ -143,62 +169,69 @@ def run_kind(name: str) -> dict:
   """Pretrains kind `name` on digits 0-4, then trains each size, seed and arm on digits 5-9:
   the runs and the checks of each size."""
   kind = KINDS[name]
-  flag = {'mnist': 'mnist_folders', 'photos': 'photo_folders'}[name]
+  flag = 'mnist_folders' if name == 'mnist' else 'photo_folders'
   folders = FLAGS[flag].value
   if not folders:
     raise app.UsageError(f'--{flag} is needed for the kind {name}.')
-  if name == 'photos' and not os.path.isdir(os.path.join(folders, kind.source)):
+  if flag == 'photo_folders' and not os.path.isdir(os.path.join(folders, kind.source)):
     write_photo_folders(folders)
   recipe = FLAGS.recipe if FLAGS.recipe is not None else kind.recipe
   pretrain_epochs = FLAGS.pretrain_epochs or kind.pretrain_epochs
   pretrain = os.path.join(FLAGS.work, kind.source)
   pretrained = train(pretrain, kind.config, os.path.join(folders, kind.source),
-                     [f'--config.num_epochs={pretrain_epochs}'])
+                     [*kind.pretrain, f'--config.num_epochs={pretrain_epochs}'])
+  arms = {**{arm: (kind.config, [*recipe, *flags_, *FLAGS.finetune,
+                                 f'--config.init_from={pretrain}'])
+             for arm, flags_ in kind.tuned.items()},
+          'scratch': kind.scratch or (kind.config, recipe)}
+  arms = {arm: arms[arm] for arm in FLAGS.arms or arms}
   runs, summary = [], {}
   for size in map(int, FLAGS.sizes):
     for seed in map(int, FLAGS.seeds):
       dataset = draw(os.path.join(folders, kind.target), size, seed)
-      for arm, init in (('finetune', [*FLAGS.finetune, f'--config.init_from={pretrain}']),
-                        ('scratch', [])):
-        if arm not in FLAGS.arms:
-          continue
-        run = train(os.path.join(FLAGS.work, f'{name}_{arm}_{size}_seed{seed}'), kind.config,
-                    dataset, [*recipe, f'--config.seed={seed}', *init])
+      for arm, (config, extra) in arms.items():
+        run = train(os.path.join(FLAGS.work, f'{name}_{arm}_{size}_seed{seed}'), config,
+                    dataset, [*extra, f'--config.seed={seed}'])
         runs.append({'arm': arm, 'size': size, 'seed': seed, **run})
         print(f'{name}, {size} a digit, {arm}, seed {seed}: eval accuracy by epoch '
               f'{", ".join(f"{value:.4f}" for value in run["eval_accuracy"])}', flush=True)
     of_size = [run for run in runs if run['size'] == size]
     last = {arm: [run['eval_accuracy'][-1] for run in of_size if run['arm'] == arm]
-            for arm in FLAGS.arms}
+            for arm in arms}
     summary[size] = {
         'mean_last_epoch': {arm: sum(values) / len(values) for arm, values in last.items()},
-        'finetune_beats_scratch_every_seed': len(last) == 2 and all(
-            tuned > scratch for tuned, scratch in zip(last['finetune'], last['scratch'])),
+        **{f'{arm}_beats_scratch_every_seed': all(
+            tuned > scratch for tuned, scratch in zip(last[arm], last['scratch']))
+           for arm in arms if arm != 'scratch' and 'scratch' in arms},
         'largest_loss_rise_after_best_epoch': max(loss_rise(run) for run in of_size)}
-  return {'config': kind.config, 'pretrain': {'epochs': pretrain_epochs, **pretrained},
-          'recipe': recipe, 'finetune': FLAGS.finetune, 'runs': runs, 'by_size': summary}
+  return {'config': kind.config, 'scratch': arms.get('scratch'),
+          'pretrain': {'epochs': pretrain_epochs, **pretrained}, 'recipe': recipe,
+          'finetune': FLAGS.finetune, 'runs': runs, 'by_size': summary}
 
 
 def table(results: dict[str, dict]) -> str:
-  """docs/fine_tuning.md's table of `results` (the JSON's 'kinds'): by kind and size, each seed's
-  accuracy after the last epoch, fine-tuned and from scratch, their means, whether fine-tuning
-  is ahead on every seed, and the largest rise of a run's eval loss after its best epoch."""
+  """docs/fine_tuning.md's table of `results` (the JSON's 'kinds'): by kind, size and run from
+  the source (fine-tuned, probed), each seed's accuracy after the last epoch, and from scratch,
+  their means, whether the run from the source is ahead on every seed, and the largest rise of
+  a run's eval loss after its best epoch (over all the size's runs)."""
   rows = []
   for name, result in results.items():
     for size, checks in result['by_size'].items():
-      last = {arm: ', '.join(f"{run['eval_accuracy'][-1]:.1%}" for run in result['runs']
-                             if run['arm'] == arm and str(run['size']) == str(size))
-              for arm in ('finetune', 'scratch')}
-      means = {arm: f'{mean:.1%}' for arm, mean in checks['mean_last_epoch'].items()}
-      rows.append([name, size, last['finetune'], means.get('finetune', ''),
-                   last['scratch'], means.get('scratch', ''),
-                   ('yes' if checks['finetune_beats_scratch_every_seed'] else 'no')
-                   if len(means) == 2 else '',
-                   f"{checks['largest_loss_rise_after_best_epoch']:.2f}x"])
+      means = checks['mean_last_epoch']
+
+      def last(arm):
+        return ', '.join(f"{run['eval_accuracy'][-1]:.1%}" for run in result['runs']
+                         if run['arm'] == arm and str(run['size']) == str(size))
+      for arm in [arm for arm in means if arm != 'scratch']:
+        ahead = checks.get(f'{arm}_beats_scratch_every_seed')
+        rows.append([name, size, arm, last(arm), f'{means[arm]:.1%}', last('scratch'),
+                     f"{means['scratch']:.1%}" if 'scratch' in means else '',
+                     '' if ahead is None else 'yes' if ahead else 'no',
+                     f"{checks['largest_loss_rise_after_best_epoch']:.2f}x"])
   return harness.markdown_table(
-      ['kind', 'images a digit', 'fine-tuned, by seed', 'mean', 'from scratch, by seed', 'mean',
-       'fine-tuned ahead on every seed', 'largest eval-loss rise after the best epoch'], rows,
-      align='lrlrlrlr')
+      ['kind', 'images a digit', 'run', 'by seed', 'mean', 'from scratch, by seed', 'mean',
+       'ahead of scratch on every seed', 'largest eval-loss rise after the best epoch'], rows,
+      align='lrllrlrlr')
 
 
 def main(argv):
