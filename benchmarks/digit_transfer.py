@@ -26,7 +26,8 @@ in its own process; the figures are read from its metrics.jsonl, and written wit
 to `--out` after each kind (`harness.write_json`: with this command, the commit, the machine and
 the date), with two checks per kind and size: whether every seed's run from the source ends
 above its run from scratch, and the largest rise of a run's eval loss after its best epoch (at
-most 2x is asked of a recipe). The table of docs/fine_tuning.md is printed at the end, and by `--table` from the JSON.
+most 2x is asked of a recipe). The table of docs/fine_tuning.md is printed at the end, and by
+`--table` from the JSON.
 """
 
 import json
