@@ -5,21 +5,22 @@ fine-tuned from a run of this app against from scratch, on MNIST or on generated
     python -m benchmarks.digit_transfer --mnist_folders=/tmp/mf --photo_folders=/tmp/photos \
       --work=/tmp/dt --seeds=0,1,2 --sizes=10,20,50 --out=docs/runs/digit_transfer.json
     python -m benchmarks.digit_transfer --table=docs/runs/digit_transfer.json  # The docs' table.
-    python -m benchmarks.digit_transfer --kinds=backbone --photo_folders=/tmp/photos \
-      --work=/tmp/dtb --seeds=0,1,2 --sizes=10,20,50 --out=docs/runs/digit_transfer_backbone.json
+    python -m benchmarks.digit_transfer --kinds=backbone_mnist,backbone_photos \
+      --mnist_folders=/tmp/mf --photo_folders=/tmp/photos --work=/tmp/dtb --seeds=0,1,2 \
+      --sizes=10,20,50 --out=docs/runs/digit_transfer_backbone.json
 
 The kinds (`KINDS`, `--kinds`): MNIST's digits with `configs/default.py` (the folders
 benchmarks.mnist_folders writes: digits04, digits59), and photos of digits in random colours at
 random places, 200-260 px (`data_sources.generated`'s 'digits', written on first use:
 200 training and 100 test photos of each digit, the two splits drawn by two seeds) with
-`configs/images.py`; and 'backbone', the same photos with `configs/finetune.py`'s ResNet-18
-(pretrained by this app on digits 0-4: no weights can be downloaded), fine-tuned and linearly
-probed, against `configs/images.py` from scratch. For each kind, pretrains its config on the
+`configs/images.py`; and 'backbone_mnist' and 'backbone_photos', the same folders with
+`configs/finetune.py`'s ResNet-18 (pretrained by this app on digits 0-4: no weights can be
+downloaded), fine-tuned and linearly probed, against the small-folder recipe from scratch. For each kind, pretrains its config on the
 training images of digits 0-4 (`--pretrain_epochs`, scored on their test images), then, for each
 size and seed, draws `size` training images of each digit 5-9 (by the seed) and trains on them
 with the recipe docs/fine_tuning.md gives for small folders (the kind's `recipe`, or `--recipe`):
 from scratch, and from the source run (`init_from`, every layer trained, or as `--finetune`'s
-flags say, e.g. some frozen; a linear probe for 'backbone'; the head re-initialised by itself:
+flags say, e.g. some frozen; a linear probe for the backbones; the head re-initialised by itself:
 the source run's class names are other ones, which the run's log says and `head_renewed`
 records); all scored on the test images of 5-9 after every epoch. Each run is `python main.py`
 in its own process; the figures are read from its metrics.jsonl, and written with the commands
@@ -65,42 +66,51 @@ flags.DEFINE_string('out', None, 'The JSON file of the figures.')
 
 class Kind(NamedTuple):
   """A kind of digit images: its config, its two folders' names (under --mnist_folders or
-  --photo_folders), the pretraining's epochs and flags, the recipe docs/fine_tuning.md gives for
-  a small folder of it (flags of every digits 5-9 run), the runs started from the source (arm:
-  their own flags) and the config and flags of the run from scratch (the config's own and the
-  recipe by default)."""
+  --photo_folders, `folders`), the pretraining's epochs and flags, the recipe docs/fine_tuning.md
+  gives for a small folder of it (flags of every digits 5-9 run), the runs started from the
+  source (arm: their own flags) and the config and flags of the run from scratch (the config's
+  own and the recipe by default)."""
   config: str
+  folders: str
   source: str
   target: str
   pretrain_epochs: int
   recipe: list[str]
   pretrain: list[str] = []
   tuned: dict[str, list[str]] = {'finetune': []}
-  scratch: tuple[str, list[str]] | None = None  # (config, flags) if not the config's recipe.
+  scratch: tuple[str, list[str]] | None = None
 
 
-# Photos of digits cut for a backbone on a 2-core CPU (112 px, not 224), standardised as the
-# small-folder recipe does (a digit's colours are random).
-_BACKBONE_PREPROCESS = ('--config.preprocess=resize(112)|translate(8)|'
-                        'standardize(per_channel=True, polarity=True)')
-# Half of the 500 test photos (files in the order of a hash of their path): a 112-px ResNet-18
-# scores them in about 4 s on 2 cores, after every epoch of every run.
-_HALF_TEST = '--config.eval_split=test[:50%]'
+_MNIST_RECIPE = ['--config.batch_size=25', '--config.num_epochs=5', '--config.schedule=cosine',
+                 '--config.warmup_epochs=1']
+# A pretrained backbone: configs/finetune.py's ResNet-18, pretrained by this app on digits 0-4
+# (no weights can be downloaded here), fine-tuned and probed on a tiny folder of 5-9, against
+# the small-folder recipe from scratch (docs/small_folders.md; MNIST's: the 'mnist' kind's).
+# Images are cut small for a 2-core CPU (56 and 112 px, not 224) and standardised as the
+# small-folder recipe does (a photo's colours are random); eval scores part of the test images
+# (ordered by a hash of their path), after every epoch of every run.
+_BACKBONE = ['--config.batch_size=16', '--config.num_epochs=10']
+_PROBE = {'finetune': [], 'probe': ['--config.linear_probe=True', '--config.learning_rate=0.01']}
+_STANDARDIZE = 'standardize(per_channel=True, polarity=True)'
+_MNIST_BACKBONE = [f'--config.preprocess=resize(56)|translate(4)|{_STANDARDIZE}',
+                   '--config.eval_split=test[:20%]']
+_PHOTOS_BACKBONE = [f'--config.preprocess=resize(112)|translate(8)|{_STANDARDIZE}',
+                    '--config.eval_split=test[:50%]']
 KINDS = {
-    'mnist': Kind('configs/default.py', 'digits04', 'digits59', 2,
-                  ['--config.batch_size=25', '--config.num_epochs=5',
-                   '--config.schedule=cosine', '--config.warmup_epochs=1']),
-    'photos': Kind('configs/images.py', 'photos04', 'photos59', 20, []),
-    # A pretrained backbone (configs/finetune.py's resnet18, pretrained by this app on the
-    # photos of digits 0-4), fine-tuned and probed, against configs/images.py from scratch,
-    # the recipe docs/small_folders.md recommends for a small folder.
-    'backbone': Kind('configs/finetune.py', 'photos04', 'photos59', 10,
-                     [_BACKBONE_PREPROCESS, '--config.batch_size=16', '--config.num_epochs=10',
-                      _HALF_TEST],
-                     pretrain=[_BACKBONE_PREPROCESS, '--config.learning_rate=0.001'],
-                     tuned={'finetune': [], 'probe': ['--config.linear_probe=True',
-                                                      '--config.learning_rate=0.01']},
-                     scratch=('configs/images.py', [_HALF_TEST])),
+    'mnist': Kind('configs/default.py', 'mnist_folders', 'digits04', 'digits59', 2,
+                  _MNIST_RECIPE),
+    'photos': Kind('configs/images.py', 'photo_folders', 'photos04', 'photos59', 20, []),
+    'backbone_mnist': Kind(
+        'configs/finetune.py', 'mnist_folders', 'digits04', 'digits59', 5,
+        [*_MNIST_BACKBONE, *_BACKBONE], tuned=_PROBE,
+        pretrain=[*_MNIST_BACKBONE, '--config.train_split=train[:10%]',
+                  '--config.learning_rate=0.001'],
+        scratch=('configs/default.py', [*_MNIST_RECIPE, _MNIST_BACKBONE[1]])),
+    'backbone_photos': Kind(
+        'configs/finetune.py', 'photo_folders', 'photos04', 'photos59', 10,
+        [*_PHOTOS_BACKBONE, *_BACKBONE], tuned=_PROBE,
+        pretrain=[*_PHOTOS_BACKBONE, '--config.learning_rate=0.001'],
+        scratch=('configs/images.py', [_PHOTOS_BACKBONE[1]])),
 }
 PHOTO_SIZES = (200, 260)  # Height and width of the generated photos, each drawn in this range.
 PHOTOS_PER_DIGIT = {'train': 200, 'test': 100}
@@ -170,11 +180,10 @@ def run_kind(name: str) -> dict:
   """Pretrains kind `name` on digits 0-4, then trains each size, seed and arm on digits 5-9:
   the runs and the checks of each size."""
   kind = KINDS[name]
-  flag = 'mnist_folders' if name == 'mnist' else 'photo_folders'
-  folders = FLAGS[flag].value
+  folders = FLAGS[kind.folders].value
   if not folders:
-    raise app.UsageError(f'--{flag} is needed for the kind {name}.')
-  if flag == 'photo_folders' and not os.path.isdir(os.path.join(folders, kind.source)):
+    raise app.UsageError(f'--{kind.folders} is needed for the kind {name}.')
+  if kind.folders == 'photo_folders' and not os.path.isdir(os.path.join(folders, kind.source)):
     write_photo_folders(folders)
   recipe = FLAGS.recipe if FLAGS.recipe is not None else kind.recipe
   pretrain_epochs = FLAGS.pretrain_epochs or kind.pretrain_epochs
