@@ -65,7 +65,8 @@ flags.DEFINE_string('export_format', None,
 flags.DEFINE_bool('verbose', False, "Show the libraries' start-up notices and INFO lines.")
 flags.DEFINE_string('coordinator_address', None,
                     'HOST:PORT of process 0, for a multi-process run (jax.distributed).')
-flags.DEFINE_integer('num_processes', None, 'Number of processes of a multi-process run.')
+flags.DEFINE_integer('num_processes', None, 'Number of processes of a multi-process run; 1 '
+                     'alone: a single process, without cluster detection.')
 flags.DEFINE_integer('process_id', None, 'Index of this process, in [0, num_processes).')
 flags.DEFINE_string('compilation_cache', runtime.default_compilation_cache(),
                     "Directory of JAX's persistent compilation cache: a rerun, resume or sweep "

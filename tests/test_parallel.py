@@ -155,6 +155,14 @@ def test_a_cluster_jax_cannot_read_leaves_a_single_process_and_a_warning():
   assert result.returncode == 0, result.stderr
   assert result.stdout.split() == ['1', str(jax.device_count())]
   assert 'JAX found signs of a cluster but could not read it (RuntimeError' in result.stderr
+  # --num_processes=1: the same process, without asking JAX's detection (no warning).
+  result = subprocess.run(
+      [sys.executable, '-c', program.replace('None, None, None', 'None, 1, None')], cwd=ROOT,
+      capture_output=True, text=True, timeout=120,
+      env={**os.environ, 'JAX_PLATFORMS': 'cpu', 'OMPI_MCA_orte_hnp_uri': '1.0;no-address'})
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.split() == ['1', str(jax.device_count())]
+  assert 'JAX found signs of a cluster' not in result.stderr
 
 
 def test_eval_batches_pad_to_the_requested_number_of_batches():

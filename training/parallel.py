@@ -44,8 +44,13 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
   cannot read it (a TPU host or container that cannot reach the metadata server JAX asks for
   the slice's hosts, an Open MPI variable it cannot parse): a single host's devices still work
   without joining anything, as they do for any JAX program that never calls `initialize`, and
-  a warning names the cause and the flags that join a cluster explicitly.
+  a warning names the cause and the flags that join a cluster explicitly. `num_processes=1`
+  alone runs a single process without asking: JAX's detection retries for seconds on a TPU
+  host that cannot reach its metadata server.
   """
+  if num_processes == 1 and coordinator_address is None and process_id in (None, 0):
+    logging.info('One process (--num_processes=1): no cluster detection.')
+    return
   if (coordinator_address, num_processes, process_id) == (None, None, None):
     try:
       jax.distributed.initialize()
@@ -57,8 +62,9 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
     # OSError) for a metadata server out of reach; the runtime is then still unstarted.
     except (RuntimeError, OSError) as error:
       logging.warning('JAX found signs of a cluster but could not read it (%s: %s): running as '
-                      'a single process. To join several processes, pass --coordinator_address, '
-                      '--num_processes and --process_id (docs/launch.md).',
+                      'a single process (--num_processes=1 skips the detection). To join several '
+                      'processes, pass --coordinator_address, --num_processes and --process_id '
+                      '(docs/launch.md).',
                       type(error).__name__, str(error).split('\n', 1)[0][:200])
     return
   try:
