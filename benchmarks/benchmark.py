@@ -154,8 +154,8 @@ def measure_project(config) -> dict[str, float]:
   train_step = state_lib.make_train_step(run.loss(data.info.num_classes),
                                          run.input.preprocess)
   batches = (parallel.shard(batch, mesh)
-             for batch in input_pipeline.train_batches(train_split, data, run.input,
-                                                       run.batch_size))
+             for batch in input_pipeline.read_ahead(input_pipeline.train_batches(
+                 train_split, data, run.input, run.batch_size)))
   first = next(batches)
   compile_s, flops = flops_per_example(train_step, state, first, examples=run.batch_size)
 
