@@ -72,6 +72,18 @@ def test_conv_and_its_gradients_equal_nnx_conv(kernel_size, strides, padding):
     np.testing.assert_allclose(grad, stock_grad, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize('height,width,convolution', [(2, 2, False), (1, 6, False),
+                                                       (6, 2, False), (3, 3, True)])
+def test_conv_without_gradients_is_a_matmul_where_its_output_is_two_pixels_or_less(
+    height, width, convolution):
+  """In eval and predict a convolution runs as XLA's, but where its output is at most 2 pixels
+  high or wide (XLA:CPU's slow case), as the patches' matmul: the stock layer's values."""
+  stock, fast = (_built(layer, 8, 6, kernel_size=(3, 3)) for layer in (nnx.Conv, cpu.Conv))
+  x = _normal(0, (4, height, width, 8))
+  assert ('convolution' in jax.jit(lambda x: fast(x)).lower(x).as_text()) == convolution
+  np.testing.assert_allclose(fast(x), stock(x), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize('option', [
     {'kernel_dilation': 2},
     {'input_dilation': (2, 2), 'padding': ((1, 1), (1, 1))}, {'feature_group_count': 2},
