@@ -89,8 +89,8 @@ _MNIST_RECIPE = ['--config.batch_size=25', '--config.num_epochs=5', '--config.sc
 # Images are cut small for a 2-core CPU (56 and 112 px, not 224) and standardised as the
 # small-folder recipe does (a photo's colours are random); eval scores part of the test images
 # (ordered by a hash of their path) after every epoch of every run, for the loss and accuracy
-# alone (configs/finetune.py's pictures of misclassified images and its confusion matrix took
-# most of each epoch's time).
+# alone (configs/finetune.py's other evaluators write reports, pictures and a confusion matrix:
+# nothing the table reads).
 _BACKBONE = ['--config.batch_size=16', '--config.num_epochs=10']
 _PROBE = {'finetune': [], 'probe': ['--config.linear_probe=True', '--config.learning_rate=0.01']}
 _STANDARDIZE = 'standardize(per_channel=True, polarity=True)'
