@@ -30,10 +30,9 @@ class Conv(nnx.Conv):
   and 1x1 shortcut convolutions, whose kernel gradients XLA computes by transposing the
   activations first). Without differentiation (eval, predict) it runs XLA's convolution, which
   needs no patches in memory, but for an output at most 2 pixels high or wide (`conv_patches`).
-  The forward pass keeps only the input (as the stock layer does)
-  and the backward pass rebuilds the patches, so one layer's patches are in memory at a time
-  rather than every layer's from the forward pass to its gradient (at 224 px a ResNet's would be
-  gigabytes). A patch matrix larger than `PATCHES_LIMIT_BYTES` (kh * kw / (sh * sw) times the
+  The forward pass keeps only the input (as the stock layer does) and the backward pass
+  rebuilds the patches, so one layer's patches are in memory at a time rather than every
+  layer's from the forward pass to its gradient (at 224 px a ResNet's would be gigabytes). A patch matrix larger than `PATCHES_LIMIT_BYTES` (kh * kw / (sh * sw) times the
   input's size: large images, wide layers, large batches) is not built: that layer runs as the
   stock layer does.
 
@@ -159,10 +158,11 @@ def conv_patches(x: jax.Array, kernel: jax.Array, strides: tuple[int, int],
                  pads: Pads) -> jax.Array:
   """An NHWC x HWIO convolution; under differentiation, one matmul over its windows, and so
   without it where the output is at most 2 pixels high or wide: there XLA:CPU's convolution
-  runs tens of times slower than elsewhere (a ResNet's last stage in eval at 64 px), and the
-  patches are small."""
+  runs tens of times slower than elsewhere (a ResNet's last stage in eval at 56 or 64 px), and
+  the patches are small."""
   (h, w), (kh, kw) = x.shape[1:3], kernel.shape[:2]
-  if min(_output_size(h, kh, strides[0], pads[0]), _output_size(w, kw, strides[1], pads[1])) <= 2:
+  if min(_output_size(h, kh, strides[0], pads[0]),
+         _output_size(w, kw, strides[1], pads[1])) <= 2:
     return _conv_patches_fwd(x, kernel, strides, pads)[0]
   return lax.conv_general_dilated(x, kernel, strides, pads,
                                   dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
