@@ -32,9 +32,10 @@ class Conv(nnx.Conv):
   needs no patches in memory, but for an output at most 2 pixels high or wide (`conv_patches`).
   The forward pass keeps only the input (as the stock layer does) and the backward pass
   rebuilds the patches, so one layer's patches are in memory at a time rather than every
-  layer's from the forward pass to its gradient (at 224 px a ResNet's would be gigabytes). A patch matrix larger than `PATCHES_LIMIT_BYTES` (kh * kw / (sh * sw) times the
-  input's size: large images, wide layers, large batches) is not built: that layer runs as the
-  stock layer does.
+  layer's from the forward pass to its gradient (at 224 px a ResNet's would be gigabytes). A
+  patch matrix larger than `PATCHES_LIMIT_BYTES` (kh * kw / (sh * sw) times the input's size:
+  large images, wide layers, large batches) is not built: that layer runs as the stock layer
+  does.
 
   Depthwise convolutions (as many feature groups as input channels, one filter each: the
   output has as many channels) run as `conv_depthwise`, shifted multiply-adds, in training and
