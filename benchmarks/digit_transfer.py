@@ -15,9 +15,9 @@ random places, 200-260 px (`data_sources.generated`'s 'digits', written on first
 200 training and 100 test photos of each digit, the two splits drawn by two seeds) with
 `configs/images.py`; and 'backbone_mnist' and 'backbone_photos', the same folders with
 `configs/finetune.py`'s ResNet-18 (pretrained by this app on digits 0-4: no weights can be
-downloaded), fine-tuned and linearly probed, against the small-folder recipe from scratch. For each kind, pretrains its config on the
-training images of digits 0-4 (`--pretrain_epochs`, scored on their test images), then, for each
-size and seed, draws `size` training images of each digit 5-9 (by the seed) and trains on them
+downloaded), fine-tuned and linearly probed, against the small-folder recipe from scratch.
+For each kind, pretrains its config on the training images of digits 0-4 (`--pretrain_epochs`,
+scored on their test images), then, for each size and seed, draws `size` training images of each digit 5-9 (by the seed) and trains on them
 with the recipe docs/fine_tuning.md gives for small folders (the kind's `recipe`, or `--recipe`):
 from scratch, and from the source run (`init_from`, every layer trained, or as `--finetune`'s
 flags say, e.g. some frozen; a linear probe for the backbones; the head re-initialised by itself:

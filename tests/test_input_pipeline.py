@@ -109,7 +109,8 @@ def test_in_memory_epochs_keep_the_order_of_a_shuffle_of_the_examples():
     seed = input_pipeline.epoch_seed(config.seed, 0)
     shuffled = tf.data.Dataset.from_tensor_slices(split.labels).shuffle(
         buffer, seed=seed, reshuffle_each_iteration=False)
-    np.testing.assert_array_equal(_epoch_orders(split, config)[0], list(shuffled.as_numpy_iterator()))
+    np.testing.assert_array_equal(_epoch_orders(split, config)[0],
+                                  list(shuffled.as_numpy_iterator()))
   assert not np.array_equal(_epoch_orders(split, _config(num_epochs=1))[0], split.labels)
 
 
