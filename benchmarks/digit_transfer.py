@@ -11,24 +11,23 @@ fine-tuned from a run of this app against from scratch, on MNIST or on generated
 
 The kinds (`KINDS`, `--kinds`): MNIST's digits with `configs/default.py` (the folders
 benchmarks.mnist_folders writes: digits04, digits59), and photos of digits in random colours at
-random places, 200-260 px (`data_sources.generated`'s 'digits', written on first use:
-200 training and 100 test photos of each digit, the two splits drawn by two seeds) with
-`configs/images.py`; and 'backbone_mnist' and 'backbone_photos', the same folders with
-`configs/finetune.py`'s ResNet-18 (pretrained by this app on digits 0-4: no weights can be
-downloaded), fine-tuned and linearly probed, against the small-folder recipe from scratch.
-For each kind, pretrains its config on the training images of digits 0-4 (`--pretrain_epochs`,
-scored on their test images), then, for each size and seed, draws `size` training images of each digit 5-9 (by the seed) and trains on them
-with the recipe docs/fine_tuning.md gives for small folders (the kind's `recipe`, or `--recipe`):
-from scratch, and from the source run (`init_from`, every layer trained, or as `--finetune`'s
-flags say, e.g. some frozen; a linear probe for the backbones; the head re-initialised by itself:
-the source run's class names are other ones, which the run's log says and `head_renewed`
-records); all scored on the test images of 5-9 after every epoch. Each run is `python main.py`
-in its own process; the figures are read from its metrics.jsonl, and written with the commands
-to `--out` after each kind (`harness.write_json`: with this command, the commit, the machine and
-the date), with two checks per kind and size: whether every seed's run from the source ends
-above its run from scratch, and the largest rise of a run's eval loss after its best epoch (at
-most 2x is asked of a recipe). The table of docs/fine_tuning.md is printed at the end, and by
-`--table` from the JSON.
+random places, 200-260 px (`data_sources.generated`'s 'digits', written on first use: 200 training
+and 100 test photos of each digit, the two splits drawn by two seeds) with `configs/images.py`; and
+'backbone_mnist' and 'backbone_photos', the same folders with `configs/finetune.py`'s ResNet-18
+(pretrained by this app on digits 0-4: no weights can be downloaded), fine-tuned and linearly
+probed, against the small-folder recipe from scratch. For each kind, pretrains its config on the
+training images of digits 0-4 (`--pretrain_epochs`, scored on their test images), then, for each
+size and seed, draws `size` training images of each digit 5-9 (by the seed) and trains on them with
+the recipe docs/fine_tuning.md gives for small folders (the kind's `recipe`, or `--recipe`): from
+scratch, and from the source run (`init_from`, every layer trained, or as `--finetune`'s flags say,
+e.g. some frozen; a linear probe for the backbones; the head re-initialised by itself: the source
+run's class names are other ones, which the run's log says and `head_renewed` records); all scored
+on the test images of 5-9 after every epoch. Each run is `python main.py` in its own process; the
+figures are read from its metrics.jsonl, and written with the commands to `--out` after each kind
+(`harness.write_json`: with this command, the commit, the machine and the date), with two checks per
+kind and size: whether every seed's run from the source ends above its run from scratch, and the
+largest rise of a run's eval loss after its best epoch (at most 2x is asked of a recipe). The table
+of docs/fine_tuning.md is printed at the end, and by `--table` from the JSON.
 """
 
 import json
