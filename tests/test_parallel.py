@@ -147,22 +147,22 @@ def test_a_cluster_jax_cannot_read_leaves_a_single_process_and_a_warning():
   """A process that JAX's detection takes for part of a cluster it then fails to read (here an
   Open MPI address it cannot parse; on a TPU host, a metadata server out of reach) still trains
   alone on its own devices, as a JAX program that never calls `initialize` would."""
-  program = ('from training import parallel; parallel.initialize(None, None, None); '
-             'import jax; print(jax.process_count(), jax.device_count())')
-  result = subprocess.run(
-      [sys.executable, '-c', program], cwd=ROOT, capture_output=True, text=True, timeout=120,
-      env={**os.environ, 'JAX_PLATFORMS': 'cpu', 'OMPI_MCA_orte_hnp_uri': '1.0;no-address'})
-  assert result.returncode == 0, result.stderr
-  assert result.stdout.split() == ['1', str(jax.device_count())]
-  assert 'JAX found signs of a cluster but could not read it (RuntimeError' in result.stderr
+  def initialized(arguments: str) -> str:
+    """The stderr of a process that calls `parallel.initialize(arguments)` there, once it
+    printed one process with all its devices."""
+    program = (f'from training import parallel; parallel.initialize({arguments}); '
+               'import jax; print(jax.process_count(), jax.device_count())')
+    result = subprocess.run(
+        [sys.executable, '-c', program], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, 'JAX_PLATFORMS': 'cpu', 'OMPI_MCA_orte_hnp_uri': '1.0;no-address'})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ['1', str(jax.device_count())]
+    return result.stderr
+
+  assert ('JAX found signs of a cluster but could not read it (RuntimeError'
+          in initialized('None, None, None'))
   # --num_processes=1: the same process, without asking JAX's detection (no warning).
-  result = subprocess.run(
-      [sys.executable, '-c', program.replace('None, None, None', 'None, 1, None')], cwd=ROOT,
-      capture_output=True, text=True, timeout=120,
-      env={**os.environ, 'JAX_PLATFORMS': 'cpu', 'OMPI_MCA_orte_hnp_uri': '1.0;no-address'})
-  assert result.returncode == 0, result.stderr
-  assert result.stdout.split() == ['1', str(jax.device_count())]
-  assert 'JAX found signs of a cluster' not in result.stderr
+  assert 'JAX found signs of a cluster' not in initialized('None, 1, None')
 
 
 def test_eval_batches_pad_to_the_requested_number_of_batches():
