@@ -253,6 +253,7 @@ def test_exif_orientation_and_transparency_as_the_folder_source(tmp_path, caplog
   np.testing.assert_array_equal(images[1][8:], np.tile([0, 0, 255], (8, 8, 1)))
 
 
+@pytest.mark.slow  # Compiles several training programs.
 def test_a_short_training_run_learns_the_classes(tmp_path):
   csv_path, _ = _kaggle(str(tmp_path / 'data'), per_class=20, image_size=(14, 18), seed=3)
   config = _config(csv_path, train_split='train[:80%]', eval_split='train[80%:]',

@@ -257,6 +257,7 @@ def test_an_unknown_format_is_one_line_naming_the_flag(workdir):
   assert (error.value.flag, error.value.value) == ('export_format', 'pickle')
 
 
+@pytest.mark.slow  # Compiles several training programs.
 def test_a_cropping_preprocess_exports_the_model_size_image_with_its_preparation(workdir):
   """A fixed-size format takes the image after eval's resize and centre crop: the card names
   those ops, and images prepared by them run as predict classifies the files."""

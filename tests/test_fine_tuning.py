@@ -45,6 +45,7 @@ def _weights(model):
   return {name: np.array(variable[...]) for name, variable in weights.model_variables(model)}
 
 
+@pytest.mark.slow  # Compiles several training programs.
 def test_init_from_loads_matching_weights_and_reinitialises_a_new_head(tmp_path):
   source = stripes_config()
   source.update(model='cnn', loss='cross_entropy', optimizer='sgd', preprocess='', num_epochs=1,
@@ -116,6 +117,7 @@ def test_a_head_trained_on_other_class_names_starts_fresh(tmp_path_factory, clas
   assert not np.array_equal(saved['model.linear2.kernel'], initial['linear2.kernel'])
 
 
+@pytest.mark.slow  # Compiles several training programs.
 def test_frozen_parameters_and_batch_norm_statistics_do_not_move():
   state, train_step = create(freeze=('conv1', 'batch_norm1'), lr_multipliers={'linear2': 10.0})
   before = _weights(state.model)
@@ -399,6 +401,7 @@ def test_a_linear_probe_uses_the_imported_features(tmp_path):
   assert imported['eval/accuracy'] >= random['eval/accuracy'] + 0.15, (imported, random)
 
 
+@pytest.mark.slow  # Compiles several training programs.
 def test_the_step_of_cached_features_updates_the_head_as_the_step_of_images(tmp_path):
   """A linear probe's step on cached features (the backbone's, as eval computes them) makes the
   update its step on the images makes (without drop-path): the head's alone."""
