@@ -1,74 +1,46 @@
-"""Train-step and inference speed of this app's ImageNet backbones against timm's in PyTorch,
-same machine.
+"""Train-step and inference speed of this app's ImageNet backbones against timm's in PyTorch
+and big_vision's ViT, on one machine.
 
     python -m benchmarks.backbones --json=backbones.json [--task=train|inference] \
       [--models=resnet50,vit_small_patch16_224] [--dtypes=float32,bfloat16] \
       [--configurations=jax_auto,jax_off,torch_eager,torch_compile,onnxruntime,tflite] \
       [--batch_size=32] [--image_size=224] [--warmup=3] [--steps=5] [--rounds=3] [--device=cpu]
 
---models=toy_resnet is a ResNet of one basic block per stage and 8-32 features, built alike in
-both libraries (this module's, not the app's registry's): the whole benchmark at a toy size in
-seconds, its plumbing rather than a speed (tests/lab/test_backbone_benchmark.py).
-
-For every model x dtype x configuration, a fresh child process builds the model and its
-optimizer, runs --warmup steps (the first one compiles: its seconds are reported apart), then
-times --steps steps one by one, each waited for; the figure is the median step -> images/s.
-The children run one after the other, configurations alternating within a model and dtype,
-and round after round (--rounds), so that a drifting machine speed (shared cloud cores) hits
-all of them alike; the table shows medians over the rounds and --json keeps every round.
+For every model x dtype x configuration a fresh child builds the model and its optimizer, runs
+--warmup steps (the first compiles: reported apart) and times --steps steps, each waited for:
+the median step gives images/s. Configurations alternate within a model and dtype, round after
+round (--rounds), so that a drifting machine (shared cloud cores) hits all alike; the table
+shows medians over the rounds, --json keeps every round. --models=toy_resnet (one basic block a
+stage, 8-32 features, in both libraries) runs the whole benchmark in seconds.
 
 Configurations:
-  jax_auto, jax_off: this app's own train step (`training.state.create` and
-      `make_train_step`, as `main.py` builds them) for `configs/finetune.py` with --config.model
-      set to the model, its `compute_dtype` the dtype and `kernels` auto (the XLA:CPU
-      layers of kernels/cpu.py on a CPU, the stock ones elsewhere) or stock: AdamW (weight decay
-      0.05), warm-up + cosine, label smoothing 0.1, the EMA of the weights, 1,000 classes.
-      Batches of random uint8 images, as the input pipeline hands them to the step (which
-      scales them to what the model takes).
-  torch_eager, torch_compile: timm's model of the same name (`timm.create_model`, 1,000
-      classes), the same recipe as timm's train.py runs it: `torch.optim.AdamW` (lr 3e-4,
-      weight decay 0.05), cross-entropy with label smoothing 0.1, `timm.utils.ModelEmaV3`
-      (decay 0.99); bfloat16 through `torch.autocast`; `torch.compile(model)` in default mode
-      for torch_compile, compiled cold in its own inductor cache (as JAX compiles cold).
---task=inference times, instead of a train step, the class probabilities of a batch of uint8
-images (decoded, resized and cropped: what --mode=predict and eval hand the model), e.g. at
---batch_size=64: jax_auto and jax_off run predict's own program (`modes.predict.probabilities`:
-the scale stage, the model, the softmax); torch_eager and torch_compile run timm's model under
-`torch.inference_mode()` on the same uint8 batch (scaled and normalised with its statistics in
-PyTorch, then the softmax; compiled whole); onnxruntime runs this app's ONNX export of the model
-(`--mode=export --export_format=onnx`'s file, logits) in ONNX Runtime, tflite its TFLite export
-in LiteRT's interpreter (`ai_edge_litert`; --batch_size=1 is what a phone runs), each with its
-default threads.
-Threads: every child uses all the cores it may run on (PyTorch's intra-op threads are set to
-them; XLA:CPU's pool takes them by default); each child reports its count.
+  jax_auto, jax_off: this app's train step (`training.state.create` and `make_train_step`, as
+      `main.py` builds them) for `configs/finetune.py` with the model, `compute_dtype` the
+      dtype and `kernels` auto (kernels/ picks the backend's layers) or stock: AdamW, warm-up +
+      cosine, label smoothing 0.1, the EMA, 1,000 classes, random uint8 batches.
+  torch_eager, torch_compile: `timm.create_model` with the same recipe as timm's train.py runs
+      it (AdamW, label smoothing 0.1, `ModelEmaV3`); bfloat16 by `torch.autocast`;
+      `torch.compile(model)` compiled cold.
+  big_vision (--device=tpu, ViTs): `big_vision/models/vit.py` of a google-research/big_vision
+      checkout (--big_vision; never imported by the app or its tests), class-token head,
+      matmuls in the dtype, in a plain `jax.jit` AdamW step on its donated state, the same
+      schedule and loss on the same batches scaled to [-1, 1]; no EMA, no train metrics.
+      Without a checkout its rows are left out, and the run says so.
+--task=inference times the class probabilities of a uint8 batch: predict's program (jax_*),
+timm's model under `torch.inference_mode()`, the app's ONNX export in ONNX Runtime
+(onnxruntime) and its TFLite export in LiteRT (tflite; --batch_size=1 is what a phone runs).
+Every child uses every core it may run on and reports its threads. --device=cuda runs JAX's GPU
+backend (jax[cuda]) and PyTorch on CUDA; --device=tpu needs jax[tpu].
 
-The first lines printed, and the JSON, name the CPU, its ISA features (AVX2, AVX-512,
-AVX512-BF16, AMX: `harness.machine`), the library versions and the load average
-(`uptime`'s) at the start and end; every row carries the 1-minute load when it started. On a
-CPU without AVX512-BF16 or AMX, bfloat16 is emulated and PyTorch's bfloat16 convolutions and
-matmuls run many times slower than float32: measure them at a smaller --batch_size, in a run of
-their own.
-
-GPU (--device=cuda): JAX on its GPU backend (the venv needs jax[cuda]) with kernels stock
-and PyTorch on CUDA; default configurations jax_off, torch_eager, torch_compile.
-`benchmarks/backbones_gpu.sh` is the prepared run.
-
-TPU (--device=tpu, the venv needs jax[tpu]): the app's step (jax_auto: kernels/tpu.py's
-layers) beside big_vision's, the JAX peer on TPUs:
-  big_vision: `big_vision/models/vit.py` of a google-research/big_vision checkout (its root
-      given by --big_vision; never imported by the app or its tests) with timm's class-token
-      head (`pool_type='tok'`), matmuls in the dtype (`dtype_mm`), in a plain `jax.jit` step
-      with its state donated: optax's AdamW (weight decay 0.05) along the same warm-up +
-      cosine schedule, cross-entropy with label smoothing 0.1, on the same uint8 batches scaled
-      to [-1, 1] inside the step. No EMA of the weights (the app's step keeps one) and no
-      train metrics. Without --big_vision its rows are left out, and the run says so.
-Every JAX row carries XLA's FLOP count of the compiled step (`cost_analysis()['flops']`) and
-its MFU: those FLOPs per second over the chip's bf16 peak (PEAK_FLOPS, by JAX's device kind)
-or, on a CPU, over a 2048x2048 matmul's FLOP/s in the row's dtype, measured in the same child.
-A PyTorch row's MFU counts the FLOPs of the app's step of the same model and dtype, when the
-run has that row. Each JAX row also gives the seconds to create the training state and to
-compile the step (the first step's `first_step_seconds` includes both), and, on an
-accelerator, the chip's kind and the runtime's version (libtpu's, on a TPU).
+The first lines and the JSON name the CPU, its ISA features (`harness.machine`), the library
+versions and the load; every row carries its load, peak RSS and page faults a step. Every JAX
+row carries XLA's FLOP count of the compiled step (`cost_analysis()['flops']`) and its MFU over
+the chip's bf16 peak (PEAK_FLOPS) or, on a CPU, a 2048x2048 matmul's FLOP/s in the row's dtype;
+a PyTorch row's MFU counts the app's FLOPs of its model and dtype. JAX rows also give the
+seconds to create the state and to compile the step, and on an accelerator the chip's kind and
+runtime version. --trace_dir writes a profiler trace of each JAX row's timed steps.
+On a CPU without AVX512-BF16 or AMX bfloat16 is emulated and PyTorch's bfloat16 runs many
+times slower than float32: measure it at a smaller --batch_size, in a run of its own.
 """
 
 import collections
@@ -127,15 +99,19 @@ def define_flags() -> None:
   flags.DEFINE_integer('image_size', 224, 'Height and width of the images.', lower_bound=16)
   flags.DEFINE_integer('warmup', 3, 'Untimed steps first (the first compiles).', lower_bound=1)
   flags.DEFINE_integer('steps', 5, 'Timed steps; the figure is their median.', lower_bound=1)
+  flags.DEFINE_string('trace_dir', None, "Where each JAX row writes a `jax.profiler` trace of its "
+                      "timed steps (<trace_dir>/<configuration>_<model>_<dtype>), per-operation "
+                      "time for TensorBoard's profile plugin or xprof.")
   # Internal: a child that measures one configuration, in-process.
   flags.DEFINE_enum('child', None, list(CONFIGURATIONS),
                     'Measure this configuration of --models and --dtypes (one each).')
 
 
-def timed_steps(step) -> dict:
+def timed_steps(step, trace: str | None = None) -> dict:
   """Runs `step` (which waits for its work) --warmup + --steps times; the first call's seconds
   (compilation included), every timed step's seconds, and the median timed step's page faults
-  (minor: fresh memory the kernel maps and zeroes, which the step's time includes)."""
+  (minor: fresh memory the kernel maps and zeroes, which the step's time includes). With
+  `trace`, a JAX profiler trace of the timed steps is written there."""
   faults = []
 
   def counted_step():
@@ -143,7 +119,13 @@ def timed_steps(step) -> dict:
     step()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
-  times = harness.time_calls(counted_step, FLAGS.warmup + FLAGS.steps)
+  times = harness.time_calls(counted_step, FLAGS.warmup)
+  if trace:
+    import jax  # pylint: disable=g-import-not-at-top  (JAX rows only)
+    with jax.profiler.trace(trace):
+      times += harness.time_calls(counted_step, FLAGS.steps)
+  else:
+    times += harness.time_calls(counted_step, FLAGS.steps)
   return {'first_step_seconds': times[0], 'step_seconds': times[FLAGS.warmup:],
           'page_faults_per_step': harness.median(faults[FLAGS.warmup:])}
 
@@ -231,7 +213,7 @@ def measure_jax(configuration: str, model: str, dtype: str) -> dict:
   start = time.perf_counter()
   compiled = train_step.lower(state, batch).compile()
   compile_seconds = time.perf_counter() - start
-  figures = timed_steps(step)
+  figures = timed_steps(step, trace_path(configuration, model, dtype))
   figures['first_step_seconds'] += state_seconds + compile_seconds
   runtime.release_compiler_memory(compiled)
   return {**figures, **jax_figures(compiled, dtype), 'state_seconds': state_seconds,
@@ -256,7 +238,6 @@ def jax_figures(compiled, dtype: str) -> dict:
 def measure_big_vision(configuration: str, model: str, dtype: str) -> dict:
   """Times big_vision's ViT of `model` (--big_vision's checkout) computing its matmuls in
   `dtype`, in a plain `jax.jit` AdamW step on the state it donates (the module's docstring)."""
-  del configuration
   if model not in BIG_VISION_VARIANTS:
     raise app.UsageError(f'big_vision builds the ViTs {sorted(BIG_VISION_VARIANTS)}, not '
                          f'{model}.')
@@ -303,10 +284,15 @@ def measure_big_vision(configuration: str, model: str, dtype: str) -> dict:
     nonlocal state
     state = jax.block_until_ready(train_step(*state, images, labels))
 
-  figures = timed_steps(step)
+  figures = timed_steps(step, trace_path(configuration, model, dtype))
   figures['first_step_seconds'] += state_seconds + compile_seconds
   return {**figures, **jax_figures(compiled, dtype), 'state_seconds': state_seconds,
           'compile_seconds': compile_seconds}
+
+
+def trace_path(configuration: str, model: str, dtype: str) -> str | None:
+  """Where a JAX row's trace goes with --trace_dir."""
+  return FLAGS.trace_dir and os.path.join(FLAGS.trace_dir, f'{configuration}_{model}_{dtype}')
 
 
 def measure_app_inference(configuration: str, model: str, dtype: str) -> dict:
@@ -387,7 +373,6 @@ def measure_torch(configuration: str, model: str, dtype: str) -> dict:
   import torch
   from torch.nn import functional as F
 
-  from benchmarks import pytorch_mnist
   # pylint: enable=g-import-not-at-top
   device = torch.device(FLAGS.device)
   network = torch_network(model, device).train()
@@ -404,7 +389,8 @@ def measure_torch(configuration: str, model: str, dtype: str) -> dict:
     loss.backward()
     optimizer.step()
     ema.update(network)
-    pytorch_mnist.synchronize(device)
+    if device.type == 'cuda':  # CPU work is done when the call returns.
+      torch.cuda.synchronize(device)
 
   return {**timed_steps(step), **torch_threads_and_device(device)}
 
@@ -417,7 +403,6 @@ def measure_torch_inference(configuration: str, model: str, dtype: str) -> dict:
   import timm.data
   import torch
 
-  from benchmarks import pytorch_mnist
   # pylint: enable=g-import-not-at-top
   device = torch.device(FLAGS.device)
   network = torch_network(model, device).eval()
@@ -436,7 +421,8 @@ def measure_torch_inference(configuration: str, model: str, dtype: str) -> dict:
     with (torch.inference_mode(),
           torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == 'bfloat16')):
       forward(images)
-    pytorch_mnist.synchronize(device)
+    if device.type == 'cuda':  # CPU work is done when the call returns.
+      torch.cuda.synchronize(device)
 
   return {**timed_steps(step), **torch_threads_and_device(device)}
 
@@ -455,7 +441,8 @@ def run_configuration(configuration: str, model: str, dtype: str) -> dict:
        f'--task={FLAGS.task}', f'--models={model}', f'--dtypes={dtype}',
        f'--device={FLAGS.device}', f'--big_vision={FLAGS.big_vision or ""}',
        f'--batch_size={FLAGS.batch_size}', f'--image_size={FLAGS.image_size}',
-       f'--warmup={FLAGS.warmup}', f'--steps={FLAGS.steps}'],
+       f'--warmup={FLAGS.warmup}', f'--steps={FLAGS.steps}',
+       f'--trace_dir={FLAGS.trace_dir or ""}'],
       None if configuration.startswith('torch') else harness.jax_child_env(FLAGS.device))
   median_step = harness.median(figures['step_seconds'])
   return {**figures, 'median_step_seconds': median_step,

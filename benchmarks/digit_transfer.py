@@ -1,7 +1,6 @@
 """docs/fine_tuning.md's transfer table: digits 0-4 → 5-9 from 10, 20 or 50 images a digit,
 fine-tuned from a run of this app against from scratch, on MNIST or on generated photos.
 
-    python -m benchmarks.mnist_folders --out=/tmp/mf
     python -m benchmarks.digit_transfer --mnist_folders=/tmp/mf --photo_folders=/tmp/photos \
       --work=/tmp/dt --seeds=0,1,2 --sizes=10,20,50 --out=docs/runs/digit_transfer.json
     python -m benchmarks.digit_transfer --table=docs/runs/digit_transfer.json  # The docs' table.
@@ -9,25 +8,20 @@ fine-tuned from a run of this app against from scratch, on MNIST or on generated
       --mnist_folders=/tmp/mf --photo_folders=/tmp/photos --work=/tmp/dtb --seeds=0,1,2 \
       --sizes=10,20,50 --out=docs/runs/digit_transfer_backbone.json
 
-The kinds (`KINDS`, `--kinds`): MNIST's digits with `configs/default.py` (the folders
-benchmarks.mnist_folders writes: digits04, digits59), and photos of digits in random colours at
-random places, 200-260 px (`data_sources.generated`'s 'digits', written on first use: 200 training
-and 100 test photos of each digit, the two splits drawn by two seeds) with `configs/images.py`; and
-'backbone_mnist' and 'backbone_photos', the same folders with `configs/finetune.py`'s ResNet-18
-(pretrained by this app on digits 0-4: no weights can be downloaded), fine-tuned and linearly
-probed, against the small-folder recipe from scratch. For each kind, pretrains its config on the
-training images of digits 0-4 (`--pretrain_epochs`, scored on their test images), then, for each
-size and seed, draws `size` training images of each digit 5-9 (by the seed) and trains on them with
-the recipe docs/fine_tuning.md gives for small folders (the kind's `recipe`, or `--recipe`): from
-scratch, and from the source run (`init_from`, every layer trained, or as `--finetune`'s flags say,
-e.g. some frozen; a linear probe for the backbones; the head re-initialised by itself: the source
-run's class names are other ones, which the run's log says and `head_renewed` records); all scored
-on the test images of 5-9 after every epoch. Each run is `python main.py` in its own process; the
-figures are read from its metrics.jsonl, and written with the commands to `--out` after each kind
-(`harness.write_json`: with this command, the commit, the machine and the date), with two checks per
-kind and size: whether every seed's run from the source ends above its run from scratch, and the
-largest rise of a run's eval loss after its best epoch (at most 2x is asked of a recipe). The table
-of docs/fine_tuning.md is printed at the end, and by `--table` from the JSON.
+The kinds (`KINDS`, `--kinds`): MNIST's digits as PNG folders with `configs/default.py`, photos
+of digits in random colours and places, 200-260 px (`sample_folders`'s 'digits': 200 training
+and 100 test photos a digit) with `configs/images.py`, each folder written on first use; and
+'backbone_mnist', 'backbone_photos': the same folders with `configs/finetune.py`'s ResNet-18
+(pretrained by this app: no weights can be downloaded here), fine-tuned and linearly probed.
+For each kind: pretrain on digits 0-4 (scored on their test images); then for each size and
+seed, draw `size` training images of each digit 5-9 and train on them with docs/fine_tuning.md's
+small-folder recipe (the kind's, or `--recipe`) from scratch and from the source run
+(`init_from`; `--finetune` adds flags, e.g. freezing; the head renewed, `head_renewed`), scored
+on the test images of 5-9 after every epoch. Each run is `python main.py` in its own process,
+read from its metrics.jsonl; `--out` is written after each kind (`harness.write_json`), with two
+checks per kind and size: whether every seed's run from the source ends above its run from
+scratch, and the largest rise of a run's eval loss after its best epoch (at most 2x is asked).
+The docs' table is printed at the end, and by `--table` from the JSON.
 """
 
 import json
@@ -45,7 +39,8 @@ from benchmarks import harness
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list('kinds', ['mnist', 'photos'], 'Kinds of digit images (KINDS).')
-flags.DEFINE_string('mnist_folders', None, "benchmarks.mnist_folders's root (for mnist).")
+flags.DEFINE_string('mnist_folders', None, 'Where MNIST as folders is (written on first use '
+                    "from TFDS's MNIST).")
 flags.DEFINE_string('photo_folders', None, 'Where the photos are (written on first use).')
 flags.DEFINE_string('table', None, 'Print the table of this JSON artefact, and nothing else.')
 flags.DEFINE_string('work', None, 'Where the runs\' workdirs and logs go (emptied first).')
@@ -117,15 +112,37 @@ PHOTO_SIZES = (200, 260)  # Height and width of the generated photos, each drawn
 PHOTOS_PER_DIGIT = {'train': 200, 'test': 100}
 
 
+def write_mnist_folders(root: str) -> None:
+  """MNIST as PNG folders (`<root>/<dataset>/<split>/<digit>/<split>_<index>.png`): digits04,
+  the training and test images of digits 0-4; digits59, 50 training images of each digit 5-9
+  (drawn with seed 0) and all test images of 5-9."""
+  # pylint: disable=g-import-not-at-top  (only here)
+  from PIL import Image
+  import tensorflow_datasets as tfds
+  # pylint: enable=g-import-not-at-top
+  train_split, test_split = (tfds.as_numpy(tfds.load('mnist', split=split, batch_size=-1))
+                             for split in ('train', 'test'))
+  rng = np.random.default_rng(0)
+  chosen = set().union(*(rng.choice(np.flatnonzero(train_split['label'] == digit), 50,
+                                    replace=False) for digit in range(5, 10)))
+  for split, data in (('train', train_split), ('test', test_split)):
+    for index, (image, label) in enumerate(zip(data['image'], data['label'])):
+      if label >= 5 and split == 'train' and index not in chosen:
+        continue
+      folder = os.path.join(root, 'digits04' if label < 5 else 'digits59', split, str(label))
+      os.makedirs(folder, exist_ok=True)
+      Image.fromarray(image[..., 0]).save(os.path.join(folder, f'{split}_{index}.png'))
+
+
 def write_photo_folders(root: str) -> None:
-  """Photos of digits (`generated.make_kind_folder`'s 'digits') in `root`/photos04 (digits 0-4)
-  and `root`/photos59 (5-9), each with PHOTOS_PER_DIGIT of every digit in train/ and test/, the
-  splits drawn by seeds 0 and 1."""
-  from data_sources import generated  # pylint: disable=g-import-not-at-top  (PIL, only here)
+  """Photos of digits (`sample_folders.make_kind_folder`'s 'digits') in `root`/photos04
+  (digits 0-4) and `root`/photos59 (5-9), each with PHOTOS_PER_DIGIT of every digit in train/
+  and test/, the splits drawn by seeds 0 and 1."""
+  import sample_folders  # pylint: disable=g-import-not-at-top  (PIL, only here)
   staging = os.path.join(root, 'all')
   for seed, (split, count) in enumerate(PHOTOS_PER_DIGIT.items()):
-    generated.make_kind_folder(staging, 'digits', seed=seed, num_images=10 * count,
-                               image_sizes=PHOTO_SIZES, messy=False, split=split)
+    sample_folders.make_kind_folder(staging, 'digits', seed=seed, num_images=10 * count,
+                                    image_sizes=PHOTO_SIZES, messy=False, split=split)
     for digit in range(10):
       target = os.path.join(root, 'photos04' if digit < 5 else 'photos59', split)
       os.makedirs(target, exist_ok=True)
@@ -184,8 +201,8 @@ def run_kind(name: str) -> dict:
   folders = FLAGS[kind.folders].value
   if not folders:
     raise app.UsageError(f'--{kind.folders} is needed for the kind {name}.')
-  if kind.folders == 'photo_folders' and not os.path.isdir(os.path.join(folders, kind.source)):
-    write_photo_folders(folders)
+  if not os.path.isdir(os.path.join(folders, kind.source)):
+    (write_photo_folders if kind.folders == 'photo_folders' else write_mnist_folders)(folders)
   recipe = FLAGS.recipe if FLAGS.recipe is not None else kind.recipe
   pretrain_epochs = FLAGS.pretrain_epochs or kind.pretrain_epochs
   pretrain = os.path.join(FLAGS.work, kind.source)

@@ -6,7 +6,7 @@ it to regenerate the file), the git commit, the machine (CPU model and the ISA f
 decide bfloat16 speed on a CPU, cores, library versions) and the date. Never edit one by hand.
 
 Imports no JAX, TensorFlow or PyTorch at module level: a parent process that only runs children
-(peer.py, backbones.py, record.py) stays light, and each child imports what it measures.
+(backbones.py, record.py) stays light, and each child imports what it measures.
 """
 
 import collections
@@ -52,21 +52,15 @@ def best_seconds(fn: Callable[[], object], repeats: int = 5, budget_s: float = m
   return min(time_calls(fn, repeats, budget_s))
 
 
-def matmul_flops_per_sec(dtype: str = 'float32', size: int = MATMUL_SIZE,
-                         calls: int = 1) -> float:
+def matmul_flops_per_sec(dtype: str = 'float32', size: int = MATMUL_SIZE) -> float:
   """FLOP/s of a `size` x `size` matmul in JAX in `dtype`: the peak a train step's FLOP/s is put
-  against. `calls` matmuls per timing (many on a GPU, where one takes microseconds)."""
+  against on a CPU."""
   import jax  # pylint: disable=g-import-not-at-top  (only the processes that measure JAX)
   a = jax.numpy.ones((size, size), dtype)
   matmul = jax.jit(lambda a: a @ a)
   matmul(a).block_until_ready()
-
-  def matmuls():
-    for _ in range(calls - 1):
-      matmul(a)  # Queued: JAX dispatches asynchronously.
-    matmul(a).block_until_ready()
-
-  return calls * 2 * size**3 / best_seconds(matmuls, repeats=10, budget_s=10.0)
+  return 2 * size**3 / best_seconds(lambda: matmul(a).block_until_ready(), repeats=10,
+                                    budget_s=10.0)
 
 
 def median(values: Iterable[float]) -> float:
@@ -218,7 +212,7 @@ def machine_line(described: dict) -> str:
 
 def command_line(argv: Sequence[str]) -> str:
   """`argv` as a shell command that reruns it from the repository root: a benchmark's file is
-  named as its module (`python -m benchmarks.peer ...`)."""
+  named as its module (`python -m benchmarks.backbones ...`)."""
   program = os.path.relpath(os.path.abspath(argv[0]), ROOT)
   if program.startswith('benchmarks' + os.sep) and program.endswith('.py'):
     return shlex.join(['python', '-m', program[:-3].replace(os.sep, '.'), *argv[1:]])

@@ -4,7 +4,7 @@
         [--seeds=0,1,2] [--out=docs/small_folders_runs] [--override=--config.model=cnn ...]
 
 For each kind and seed, writes a folder of 1,000 images of 40-80 px with messy files
-(`data_sources.generated.make_kind_folder`) to `<work>/<kind><seed>/`, trains
+(`sample_folders.make_kind_folder`) to `<work>/<kind><seed>/`, trains
 `main.py --config=configs/images.py` on it in `<work>/runs/<label>_<kind><seed>/` with
 `--config.seed=<seed>` and the overrides, and reads its metrics.jsonl: the held-out accuracy
 (`eval/accuracy`, the last 10% of `train`) and the training accuracy (`train/accuracy_epoch`,
@@ -25,11 +25,11 @@ from absl import app
 from absl import flags
 
 from benchmarks import harness
-from data_sources import generated
+import sample_folders
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('work', None, 'Where the folders and the runs go.')
-flags.DEFINE_list('kinds', list(generated.KINDS), 'Kinds of folders to generate.')
+flags.DEFINE_list('kinds', list(sample_folders.KINDS), 'Kinds of folders to generate.')
 flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds: of the generator and of the run.')
 flags.DEFINE_string('config', 'configs/images.py', 'The recipe.')
 flags.DEFINE_multi_string('override', [], 'Extra main.py flags, e.g. --config.model=cnn.')
@@ -43,7 +43,7 @@ def _run(kind: str, seed: int) -> dict:
   run's row."""
   root = os.path.abspath(os.path.join(FLAGS.work, f'{kind}{seed}'))
   if not os.path.isdir(root):
-    generated.make_kind_folder(root, kind, seed=seed)
+    sample_folders.make_kind_folder(root, kind, seed=seed)
   workdir = os.path.abspath(os.path.join(FLAGS.work, 'runs', f'{FLAGS.label}_{kind}{seed}'))
   command = ['python', 'main.py', f'--config={FLAGS.config}', f'--workdir={workdir}',
              f'--config.dataset={root}', f'--config.seed={seed}', *FLAGS.override]

@@ -1,7 +1,7 @@
 """Small image-folder datasets generated for the tests: root/<split>/<class name>/<file>.
 
 With damaged files, for the folder source's tests; the folders of photos users and the benchmarks
-generate are `data_sources.generated`'s.
+generate are `sample_folders`'s.
 """
 
 import os
@@ -9,7 +9,7 @@ import os
 import numpy as np
 from PIL import Image
 
-from data_sources import generated
+import sample_folders
 
 # Class name -> the part of the image that is bright. One name has a space, as users' do.
 SHAPES = {'left half': lambda h, w: (slice(None), slice(0, w // 2)),
@@ -47,8 +47,8 @@ def make_shapes_folder(root: str, sizes: dict[str, int], *, seed: int = 0,
       for index in range(per_class):
         size = tuple(rng.integers(image_sizes[0], image_sizes[1] + 1, 2))
         is_colour = colour and index % gray_every != 0
-        image_format = generated.FORMATS[index % len(generated.FORMATS)]
-        path = os.path.join(folder, f'{index:03d}.{generated.EXTENSIONS[image_format]}')
+        image_format = sample_folders.FORMATS[index % len(sample_folders.FORMATS)]
+        path = os.path.join(folder, f'{index:03d}.{sample_folders.EXTENSIONS[image_format]}')
         shape_image(rng, name, size, is_colour).save(path, format=image_format)
         files[split].append((path, name))
   if corrupt:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from data_sources import generated
+import sample_folders
 from modes import export
 from modes import predict
 from tests.helpers import timm_models as timm_helpers
@@ -53,7 +53,7 @@ def test_fine_tuned_from_timms_weights_into_tflite_and_onnx(tmp_path):
   from configs import finetune  # pylint: disable=g-import-not-at-top
   import train  # pylint: disable=g-import-not-at-top
   root = str(tmp_path / 'photos')
-  generated.make_kind_folder(root, 'shapes', num_images=24, image_sizes=(200, 240), messy=False,
+  sample_folders.make_kind_folder(root, 'shapes', num_images=24, image_sizes=(200, 240), messy=False,
                              formats=('PNG',))
   path = timm_helpers.save_safetensors(timm_helpers.timm_model(name), tmp_path / 'w.safetensors')
   config = finetune.get_config()

@@ -25,7 +25,7 @@ from tests.helpers import small_backbones
 from tests.helpers.optional import requires_extras
 from core import errors
 from data_sources import base
-from data_sources import generated
+import sample_folders
 import image_folders
 import models
 import modes
@@ -381,7 +381,7 @@ def test_a_backbone_fine_tuned_from_imported_weights_exports_to_every_format(tmp
   import train  # pylint: disable=g-import-not-at-top
   root = str(tmp_path / 'photos')
   # Lossless files: the runtimes' scripts decode with other libraries than predict.
-  generated.make_kind_folder(root, 'shapes', num_images=32, image_sizes=(40, 64), messy=False,
+  sample_folders.make_kind_folder(root, 'shapes', num_images=32, image_sizes=(40, 64), messy=False,
                              formats=('PNG', 'BMP'))
   torch.manual_seed(0)
   widths = SmallResNetWithTimmKeys.widths

@@ -23,7 +23,7 @@ import pytest
 from backbones import weights
 from configs import default
 from core import errors
-from data_sources import generated
+import sample_folders
 import models
 from preprocessing import crop
 from tests.helpers.build import create_backbone
@@ -35,7 +35,7 @@ from training import init_from
 from training import run_spec
 
 REPO = 'stand-in/resnet18.seeded'
-NUM_CLASSES = 4  # The classes of `python -m data_sources.generated --kind=shapes`.
+NUM_CLASSES = 4  # The classes of `python -m sample_folders --kind=shapes`.
 
 
 class StandInHub:
@@ -386,7 +386,7 @@ def test_predict_downloads_by_name_then_reads_the_cache(served, weights_file, tm
   the local file; with HF_HUB_OFFLINE=1 and the server stopped, the same from the cache; a
   repository the Hub lacks is one line."""
   root, inputs = str(tmp_path / 'shapes'), str(tmp_path / 'shapes' / 'train')
-  generated.make_kind_folder(root, 'shapes', num_images=8, image_sizes=(40, 60), messy=False)
+  sample_folders.make_kind_folder(root, 'shapes', num_images=8, image_sizes=(40, 60), messy=False)
   env = dict(os.environ)
   # The reference, predict from the local file: main.py --mode=predict's call, in this process
   # (a main.py start less).

@@ -44,7 +44,7 @@ def test_select_layers_by_backend_and_switch():
 
 def test_gpu_attention_is_the_stock_function_where_cudnn_does_not_take_the_inputs():
   """float32 inputs (cuDNN's fused attention takes half precision) and a mask run as the stock
-  function runs them; on a CUDA GPU, benchmarks/attention_gpu.py compares cuDNN's with it."""
+  function runs them."""
   query, key, value = _normal(0, (3, 2, 5, 2, 8))
   mask = jnp.tril(jnp.ones((5, 5), bool))[None, None]
   for options in ({}, {'mask': mask}):

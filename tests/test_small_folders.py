@@ -1,4 +1,4 @@
-"""The generated photo folders (data_sources/generated.py): what the folder source reads of them."""
+"""The generated photo folders (sample_folders.py): what the folder source reads of them."""
 
 import logging
 
@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 
 from data_sources import folder_source
-from data_sources import generated
+import sample_folders
 
 
-@pytest.mark.parametrize('kind', list(generated.KINDS))
+@pytest.mark.parametrize('kind', list(sample_folders.KINDS))
 def test_a_generated_folder_reads_as_its_classes_with_the_messy_files_skipped(tmp_path, caplog,
                                                                               kind):
   root = str(tmp_path / kind)
-  names = generated.KINDS[kind][0]
-  written = generated.make_kind_folder(root, kind, num_images=8 * len(names))
+  names = sample_folders.KINDS[kind][0]
+  written = sample_folders.make_kind_folder(root, kind, num_images=8 * len(names))
   with caplog.at_level(logging.WARNING):
     source = folder_source.FolderSource(root)
   assert source.class_names == names
@@ -30,7 +30,7 @@ def test_the_same_seed_writes_the_same_folder_and_another_seed_another(tmp_path)
   read = lambda root: [example['image'] for example in
                        folder_source.FolderSource(root).examples('train').as_numpy_iterator()]
   for name, seed in (('a', 0), ('b', 0), ('c', 1)):
-    generated.make_kind_folder(str(tmp_path / name), 'textures', seed=seed, num_images=8,
+    sample_folders.make_kind_folder(str(tmp_path / name), 'textures', seed=seed, num_images=8,
                                    messy=False)
   first, again, other = (read(str(tmp_path / name)) for name in 'abc')
   assert all(np.array_equal(x, y) for x, y in zip(first, again))
@@ -43,12 +43,12 @@ def test_the_command_line_writes_a_folder_and_refuses_a_bad_size_in_one_line(tmp
   import sys  # pylint: disable=g-import-not-at-top
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   generate = lambda *flags: subprocess.run(
-      [sys.executable, '-m', 'data_sources.generated', *flags], cwd=repo, capture_output=True,
+      [sys.executable, '-m', 'sample_folders', *flags], cwd=repo, capture_output=True,
       text=True, timeout=300)
   written = generate('--kind=digits', f'--out={tmp_path}', '--num_images=20', '--size=24',
                      '--split=test')
   assert written.returncode == 0, written.stderr[-3000:]
-  assert sorted(os.listdir(tmp_path / 'test')) == list(generated.KINDS['digits'][0])
+  assert sorted(os.listdir(tmp_path / 'test')) == list(sample_folders.KINDS['digits'][0])
   assert sum(len(files) for _, _, files in os.walk(tmp_path / 'test')) == 20  # Not messy.
   refused = generate('--kind=shapes', f'--out={tmp_path / "bad"}', '--size=4')
   assert refused.returncode == 1 and refused.stderr.startswith('Flag error: --size=4 ')
@@ -143,7 +143,7 @@ def test_the_recipe_predicts_a_figure_alike_whatever_its_colours(tmp_path):
   import sys  # pylint: disable=g-import-not-at-top
   from PIL import Image  # pylint: disable=g-import-not-at-top
   root, workdir, inputs = (str(tmp_path / name) for name in ('folder', 'run', 'inputs'))
-  generated.make_kind_folder(root, 'shapes', num_images=64, messy=False)
+  sample_folders.make_kind_folder(root, 'shapes', num_images=64, messy=False)
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   main = lambda *flags: subprocess.run([sys.executable, 'main.py', *flags], cwd=repo,
                                        capture_output=True, text=True, timeout=900)

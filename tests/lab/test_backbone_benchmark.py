@@ -94,7 +94,8 @@ def test_benchmark_has_a_row_for_each_model_dtype_and_configuration(tmp_path, ta
       [sys.executable, '-m', 'benchmarks.backbones', f'--task={task}', '--image_size=32',
        '--batch_size=2', '--warmup=1', '--steps=1', '--rounds=1', '--models=toy_resnet',
        f'--dtypes={",".join(dtypes)}', f'--configurations={",".join(configurations)}',
-       f'--json={out}'], cwd=ROOT, capture_output=True, text=True, timeout=900)
+       f'--json={out}', f'--trace_dir={tmp_path / "traces"}'], cwd=ROOT, capture_output=True,
+      text=True, timeout=900)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   report = json.loads(out.read_text())
   assert {'command', 'commit', 'machine', 'date'} <= report.keys()
@@ -113,5 +114,9 @@ def test_benchmark_has_a_row_for_each_model_dtype_and_configuration(tmp_path, ta
   for export_row in ('onnxruntime', 'tflite'):  # Each export's file, as a device gets it.
     if export_row in configurations:
       assert rows['toy_resnet', 'float32', export_row]['export_bytes'] > 10_000, export_row
+  if task == 'train':  # The JAX row's timed steps traced by the profiler; none for PyTorch's.
+    traced = [name for _, _, names in os.walk(tmp_path / 'traces') for name in names]
+    assert os.listdir(tmp_path / 'traces') == ['jax_off_toy_resnet_float32'], traced
+    assert any(name.endswith('.xplane.pb') for name in traced), traced
   assert result.stdout.startswith('CPU: ')  # The machine's line comes first.
   assert report['machine']['usable_cores'] == len(os.sched_getaffinity(0))

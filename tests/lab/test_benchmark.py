@@ -58,7 +58,7 @@ def test_markdown_table_aligns_the_columns_it_is_told_to():
 
 
 def test_an_artefact_records_command_commit_machine_date_and_environment(tmp_path, monkeypatch):
-  monkeypatch.setattr(sys, 'argv', [os.path.join(ROOT, 'benchmarks', 'peer.py'), '--rounds=1',
+  monkeypatch.setattr(sys, 'argv', [os.path.join(ROOT, 'benchmarks', 'backbones.py'), '--rounds=1',
                                     '--json=a b.json'])
   monkeypatch.setenv('XLA_FLAGS', '--xla_cpu_enable_fast_math=false')
   monkeypatch.setenv('GLIBC_TUNABLES', 'glibc.malloc.hugetlb=1')
@@ -66,7 +66,7 @@ def test_an_artefact_records_command_commit_machine_date_and_environment(tmp_pat
   harness.write_json(str(path), {'rows': [1, 2]})
   artefact = json.loads(path.read_text())
   assert artefact['rows'] == [1, 2]
-  assert artefact['command'] == "python -m benchmarks.peer --rounds=1 '--json=a b.json'"
+  assert artefact['command'] == "python -m benchmarks.backbones --rounds=1 '--json=a b.json'"
   assert len(artefact['commit']) == 40 and isinstance(artefact['uncommitted_changes'], bool)
   assert artefact['machine']['usable_cores'] == len(os.sched_getaffinity(0))
   assert set(harness.ISA_FEATURES) <= artefact['machine'].keys()
@@ -184,63 +184,6 @@ def test_measurement_reports_every_figure(tfds_data_dir, tmp_path, program):
   # The CNN's forward pass is ~9.3 MFLOPs per example (convs 7.6M, dense layers 1.6M); a train
   # step is about three times that, however XLA's cost analysis counts the rest.
   assert 2.2e7 < figures['flops_per_example'] < 3.6e7, figures['flops_per_example']
-
-
-def test_step_profile_names_each_operation_and_counts_matmul_flops():
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from benchmarks import hlo  # pylint: disable=g-import-not-at-top
-
-  def layer(x, kernel):
-    return jnp.maximum(x @ kernel, 0.0)
-
-  x, kernel = jnp.ones((64, 32)), jnp.ones((32, 16))
-  forward = hlo.operations(jax.jit(layer).lower(x, kernel).compile().as_text())
-  assert [op.flops for op in forward.values() if op.flops] == [2 * 64 * 32 * 16]
-  assert not any(op.backward for op in forward.values())
-  gradient = jax.jit(jax.grad(lambda k: layer(x, k).sum()))
-  backward = hlo.operations(gradient.lower(kernel).compile().as_text())
-  # The gradient's program runs the forward matmul again, then dW = x^T @ dy.
-  matmuls = sorted((op.backward, op.flops) for op in backward.values() if op.flops)
-  assert matmuls == [(False, 2 * 64 * 32 * 16), (True, 2 * 64 * 32 * 16)]
-
-
-def test_step_profile_reads_an_accelerators_operations_from_its_trace(tmp_path):
-  from benchmarks import hlo  # pylint: disable=g-import-not-at-top
-  from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top
-  space = xplane_pb2.XSpace()
-  plane = space.planes.add(name='/device:TPU:0')
-  for key, name in enumerate(['hlo_category', 'flops', 'tf_op', 'source_stack',
-                              'shape_with_layout'], start=1):
-    plane.stat_metadata[key].name = name
-  operations = {  # id: (name, category, flops, JAX name, frames innermost first, shape)
-      1: ('fusion.1', 'convolution fusion', 1e9, 'jit(step)/transpose(jvp(dot_general))',
-          '/venv/lib/python3.11/site-packages/flax/nnx/nn/linear.py:422:8\n'
-          '/app/backbones/common.py:124:11', 'bf16[256,197,384]{2,1,0:T(8,128)(2,1)}'),
-      2: ('fusion.2', 'loop fusion', 5e6, 'jit(step)/jvp(exp)', '/app/backbones/vit.py:70:8',
-          '(f32[256,6,197]{2,1,0}, f32[256,6,197,197]{2,3,1,0})')}
-  for key, (name, category, flops, tf_op, frames, shape) in operations.items():
-    metadata = plane.event_metadata[key]
-    metadata.name, metadata.display_name = f'%{name} = ...', name
-    for stat_key, value in ((1, category), (3, tf_op), (4, frames), (5, shape)):
-      metadata.stats.add(metadata_id=stat_key, str_value=value)
-    metadata.stats.add(metadata_id=2, double_value=flops)
-  steps = plane.lines.add(name='Steps')
-  ops = plane.lines.add(name='XLA Ops')
-  for _ in range(2):  # Two steps: 3 ms and 1 ms a step.
-    steps.events.add(metadata_id=1, duration_ps=int(5e9))
-    ops.events.add(metadata_id=1, duration_ps=int(3e9))
-    ops.events.add(metadata_id=2, duration_ps=int(1e9))
-  path = tmp_path / 'trace.xplane.pb'
-  path.write_bytes(space.SerializeToString())
-  space = hlo.read_trace(str(path))
-  assert hlo.traced_steps(space) == 2
-  assert hlo.device_operations(space, 2) == [
-      (3.0, 'fusion.1', hlo.Operation('bf16[256,197,384]', True, 'common.py:124', 1e9)),
-      (1.0, 'fusion.2', hlo.Operation('(f32[256,6,197], f32[256,6,197,197])', False, 'vit.py:70',
-                                      0.0))]
-  # A trace of the CPU alone has no accelerator's operations.
-  assert hlo.device_operations(xplane_pb2.XSpace(), 2) == []
 
 
 def _importing_the_lab(top: str, skip: tuple[str, ...]) -> list[str]:

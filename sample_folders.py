@@ -1,6 +1,6 @@
 """Folders of generated photos to try the app on: shapes, textures or digits, one folder a class.
 
-    python -m data_sources.generated --kind=shapes --out=/tmp/shapes [--seed=0]
+    python -m sample_folders --kind=shapes --out=/tmp/shapes [--seed=0]
         [--num_images=1000] [--size=40,80] [--split=train] [--messy]
     python main.py --config=configs/images.py --workdir=/tmp/shapes_run --config.dataset=/tmp/shapes
 
@@ -12,9 +12,8 @@ folder of users' photos. With `messy`, each class folder also gets the files a r
 (a truncated PNG, an empty file, a text file named like an image, a hidden file), which the
 folder source skips with one warning. The same seed writes the same folder.
 
-The benchmarks (`benchmarks/small_folders.py`, `fine_tuning.py`, `timm_parity.py`,
-`input_pipeline.py`) and the tests generate their folders here. Not a data source: the
-registry imports this module with the others, so it defines no flags at import.
+A newcomer's first folder, and the folders the tests and the lab's benchmarks generate
+(`benchmarks/small_folders.py`, `digit_transfer.py`): so it defines no flags at import.
 """
 
 import os
