@@ -219,17 +219,18 @@ def command_line(argv: Sequence[str]) -> str:
   return shlex.join(['python', *argv])
 
 
-def git_commit() -> dict[str, str | bool | None]:
-  """The checkout's commit, and whether tracked files differ from it (the figures are then of
-  that commit plus those changes)."""
+def git_commit(artefact: str = '') -> dict[str, str | bool | None]:
+  """The checkout's commit, and whether tracked files other than `artefact` (rewritten as the
+  run goes) differ from it (the figures are then of that commit plus those changes)."""
   def git(*args):
     result = subprocess.run(['git', *args], cwd=ROOT, capture_output=True, text=True,
                             check=False)
     return result.stdout.strip() if result.returncode == 0 else None
   commit = git('rev-parse', 'HEAD')
-  return {'commit': commit,
-          'uncommitted_changes': bool(git('status', '--porcelain', '--untracked-files=no'))
-                                 if commit else None}
+  excluded = [f':!{os.path.relpath(os.path.abspath(artefact), ROOT)}'] if artefact else []
+  return {'commit': commit, 'uncommitted_changes': bool(
+      git('status', '--porcelain', '--untracked-files=no', '--', '.', *excluded))
+          if commit else None}
 
 
 def utc_now() -> str:
@@ -237,11 +238,11 @@ def utc_now() -> str:
   return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')
 
 
-def provenance() -> dict:
+def provenance(artefact: str = '') -> dict:
   """What an artefact records beside its figures: command, commit, machine, date (UTC), and
   the environment's XLA flags (they change what XLA:CPU compiles) and glibc tunables (they
   change how malloc serves XLA's memory), each None if unset."""
-  return {'command': command_line(sys.argv), **git_commit(), 'machine': machine(),
+  return {'command': command_line(sys.argv), **git_commit(artefact), 'machine': machine(),
           'date': utc_now(), 'xla_flags': os.environ.get('XLA_FLAGS'),
           'glibc_tunables': os.environ.get('GLIBC_TUNABLES')}
 
@@ -251,6 +252,6 @@ def write_json(path: str, figures: dict) -> None:
   while writing leaves the previous file)."""
   temporary = f'{path}.tmp'
   with open(temporary, 'w', encoding='utf-8') as file:
-    json.dump({**provenance(), **figures}, file, indent=2)
+    json.dump({**provenance(path), **figures}, file, indent=2)
     file.write('\n')
   os.replace(temporary, path)

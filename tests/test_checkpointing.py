@@ -151,8 +151,7 @@ def test_nonfinite_loss_halts_and_keeps_the_checkpoints(reference, tfds_data_dir
   for step, state in before.items():
     for name, value in saved(workdir, step)[1].items():
       np.testing.assert_array_equal(value, state[name], err_msg=f'step {step}: {name}')
-  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == [
-      '15', '18', '20', checkpointing.RECORD_FILE]
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['15', '18', '20']
 
 
 @pytest.mark.slow
@@ -237,34 +236,42 @@ def _files(directory):
           for root, _, names in os.walk(directory) for name in names}
 
 
-def test_what_is_known_after_a_save_is_recorded_beside_the_checkpoint_not_in_it(tmp_path):
+def test_orbax_keeps_the_newest_and_the_best_by_the_metrics_saved_with_it(tmp_path):
+  state, _ = create(model='mlp')
+  checkpoints = checkpointing.Checkpoints(str(tmp_path), 'eval/loss', maximize=False,
+                                          max_to_keep=2)
+  progress = {'epoch': 1, 'step_in_epoch': 0, 'steps_per_epoch': 10, 'hooks': {}}
+  for step, loss in ((5, None), (10, 0.3), (15, None), (20, 0.5), (30, 0.3), (40, 0.6),
+                     (45, None)):
+    checkpoints.save(step, state, {**progress, 'epoch': step // 10},
+                     {} if loss is None else {'eval/loss': loss})
+  checkpoints.close()
+  # The newest 2, and the best: the lowest loss, the later of equals; the rest deleted.
+  assert checkpoints.all_steps() == [30, 40, 45]
+  assert checkpoints.best_step() == 30
+  # Saved with the step: its metrics and score (the loss, negated: higher is better).
+  with open(os.path.join(checkpoints.directory, '30', 'metrics', 'metrics')) as file:
+    assert json.load(file) == {'eval/loss': 0.3, checkpointing.SCORE: -0.3}
+  # Another run's init_from takes the best by the score alone, without this run's metric.
+  assert checkpointing.checkpoint_path(str(tmp_path)) == os.path.join(
+      checkpoints.directory, '30', 'state')
+  reopened = checkpointing.Checkpoints(str(tmp_path), 'eval/loss', maximize=False)
+  assert reopened.best_step() == 30
+  assert reopened.latest_progress()['epoch'] == 4
+  assert reopened.restore_newest(state, move_aside=True)[0] == 45
+  assert reopened.restore(state, '40') == 40
+  reopened.close()
+
+
+def test_without_eval_metrics_there_is_no_best(tmp_path):
   state, _ = create(model='mlp')
   checkpoints = checkpointing.Checkpoints(str(tmp_path), 'eval/accuracy', max_to_keep=1)
-  progress = {'epoch': 1, 'step_in_epoch': 0, 'steps_per_epoch': 10, 'hooks': {}}
-  checkpoints.save(10, state, progress)
-  saved_files = _files(os.path.join(checkpoints.directory, '10'))
-  checkpoints.record(10, {**progress, 'hooks': {'early_stopping': {'waited': 0}}},
-                     {'eval/accuracy': 0.9})
-  checkpoints.save(20, state, {**progress, 'epoch': 2})
-  checkpoints.record(20, {**progress, 'epoch': 2}, {'eval/accuracy': 0.8})
-  checkpoints.save(30, state, {**progress, 'epoch': 3})
+  for step in (10, 20):
+    checkpoints.save(step, state, {'epoch': 1}, {})
+  assert checkpoints.all_steps() == [20] and checkpoints.best_step() is None
+  with pytest.raises(errors.CheckpointError):
+    checkpoints.restore(state, 'best')
   checkpoints.close()
-  assert _files(os.path.join(checkpoints.directory, '10')) == saved_files  # Not written to.
-  # The newest (max_to_keep=1) and the best; the records of the steps kept.
-  assert checkpoints.all_steps() == [10, 30]
-  with open(os.path.join(checkpoints.directory, checkpointing.RECORD_FILE)) as file:
-    record = json.load(file)
-  assert record['steps']['10']['metrics'] == {'eval/accuracy': 0.9}
-  assert record['best_step'] == 10
-  # Another run's init_from takes the best by the record alone, not the newest.
-  assert checkpointing.checkpoint_path(str(tmp_path)) == os.path.join(
-      checkpoints.directory, '10', 'state')
-  reopened = checkpointing.Checkpoints(str(tmp_path), 'eval/accuracy')
-  assert reopened.best_step() == 10
-  assert reopened.latest_progress()['epoch'] == 3
-  assert reopened.restore_newest(state, move_aside=True)[0] == 30
-  assert reopened.restore(state, '10') == 10
-  reopened.close()
 
 
 def test_checkpoints_of_the_previous_version_are_read_with_their_metrics(tmp_path):

@@ -68,3 +68,40 @@ def test_figures_next_to_an_artefact_link_are_in_the_artefact():
           unmatched.append(f'{os.path.relpath(doc, ROOT)}:{number}: {figure.group(0)}')
   assert checked > 10  # The check reads the docs' figures at all.
   assert not unmatched, unmatched
+
+
+def _commands(text: str) -> list[str]:
+  """The shell commands a doc gives: lines of its indented code blocks (continuation lines
+  joined) and inline code spans, that run Python."""
+  found = []
+  for block in re.findall(r'((?:^    \S.*\n(?:^      .*\n)*)+)', text, re.M):
+    found += re.sub(r'\\\n\s*', ' ', block).splitlines()
+  found += re.findall(r'`((?:taskset -c [\d,]+ )?python [^`]+)`', text)
+  return [line.split('  #')[0].strip() for line in found
+          if line.strip().startswith(('python ', 'taskset '))]
+
+
+def test_a_documented_command_is_the_command_its_artefact_records():
+  """A command in the docs whose --json or --out names a committed artefact's file is the
+  command that wrote it (its output path included), as the artefact records it; a `taskset`
+  prefix aside."""
+  differing, checked = [], 0
+  for doc in sorted(glob.glob(os.path.join(ROOT, 'docs', '*.md'))) + [
+      os.path.join(ROOT, 'README.md')]:
+    with open(doc, encoding='utf-8') as file:
+      commands = _commands(file.read())
+    for command in commands:
+      if not (out := re.search(r'--(?:json|out)=(\S+?\.json)\b', command)):
+        continue
+      name = os.path.basename(out.group(1))
+      for path in (os.path.join(ROOT, 'docs', 'runs', name), os.path.join(ROOT, 'docs', name)):
+        if os.path.isfile(path):
+          with open(path, encoding='utf-8') as file:
+            recorded = json.load(file)['command']
+          checked += 1
+          shown = re.sub(r'^taskset -c [\d,]+ ', '', command)
+          if shown.replace("'", '').split() != recorded.replace("'", '').split():
+            differing.append(f'{os.path.relpath(doc, ROOT)}: {command} (recorded: {recorded})')
+          break
+  assert checked > 10  # The check finds the docs' commands at all.
+  assert not differing, differing

@@ -96,7 +96,6 @@ def test_slurm_script_saves_on_usr1_requeues_and_the_requeued_job_resumes_bit_ex
     steps.add(int(log.split('saved a checkpoint at step ')[1].split()[0]))
   step, = steps  # Both saved the same step...
   assert 6 <= step < 32
-  # The newest; the checkpoints' record (steps.json) exists only once an epoch has evaluated.
   assert max(int(name) for name in os.listdir(requeued / 'checkpoints') if name.isdigit()) == step
 
   # ...and the requeued job (the same command again) resumes from it to the uninterrupted end.

@@ -115,20 +115,20 @@ def test_an_eval_step_that_does_not_fit_names_the_eval_batch_size(monkeypatch):
   assert (error.value.key, error.value.value) == ('eval_batch_size', 16)
 
 
-def test_an_epoch_is_saved_before_its_evaluation_and_its_metrics_recorded_after(tmp_path):
+def test_an_epoch_is_saved_with_its_metrics_and_a_failed_evaluation_loses_no_training(tmp_path):
   state, train_step = create(model='mlp')
   checkpoints = checkpointing.Checkpoints(str(tmp_path), 'eval/accuracy', True, max_to_keep=1)
 
   class Evaluate(hooks.Hook):
-    after_save = True
+    evaluates = True
     def __init__(self, accuracies):
       self.accuracies = accuracies
     def after_step(self, loop):
       if loop.end_of_epoch:
         if (accuracy := self.accuracies[loop.epoch - 1]) is None:
           raise RuntimeError('evaluation failed')
-        # The epoch's checkpoint is on disk before the evaluation runs.
-        assert checkpoints.all_steps()[-1] == loop.step
+        # The epoch's checkpoint is saved after its evaluation, with its metrics.
+        assert loop.step not in checkpoints.all_steps()
         loop.metrics['eval/accuracy'] = accuracy
 
   loop = hooks.Loop(state, steps_per_epoch=1, num_steps=3)
@@ -138,7 +138,7 @@ def test_an_epoch_is_saved_before_its_evaluation_and_its_metrics_recorded_after(
     hooks.run(loop, run_hooks, [random_batch(seed=i) for i in range(3)], train_step,
               lambda batch: batch, 32)
   # Epoch 3's evaluation failed: its training is kept; the best is epoch 1, by its metrics.
-  assert checkpoints.all_steps()[-1] == 3
+  assert checkpoints.all_steps() == [1, 3]
   assert checkpoints.best_step() == 1
   assert checkpointing.Checkpoints(str(tmp_path), 'eval/accuracy').best_step() == 1
   assert checkpoints.latest_progress()['epoch'] == 3

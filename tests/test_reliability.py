@@ -74,8 +74,7 @@ def trained(tfds_data_dir, tmp_path_factory):
   """A workdir after an uninterrupted 8-step run: checkpoints 4 and 8."""
   workdir = str(tmp_path_factory.mktemp('trained'))
   train.train_and_evaluate(run_spec.resolve(_config(tfds_data_dir)), workdir)
-  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == [
-      '4', '8', checkpointing.RECORD_FILE]  # The epoch's eval metrics are recorded beside.
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['4', '8']
   return workdir
 
 
@@ -296,7 +295,7 @@ def test_a_save_that_fails_for_space_keeps_the_earlier_checkpoints_and_no_leftov
     train.train_and_evaluate(run_spec.resolve(_config(tfds_data_dir, num_epochs=2)), workdir)
   assert (error.value.path, error.value.reason) == (checkpoints, 'No space left on device')
   assert 'The earlier checkpoints (steps 4, 8) are kept' in str(error.value)
-  assert sorted(os.listdir(checkpoints)) == ['4', '8', checkpointing.RECORD_FILE]
+  assert sorted(os.listdir(checkpoints)) == ['4', '8']
 
 
 def _can_mount_tmpfs() -> bool:
@@ -356,7 +355,7 @@ def test_a_full_disk_ends_in_one_line_and_the_rerun_resumes_after_space_is_freed
                          f'{workdir}/checkpoints'), last
   assert 'a save may fail for lack of space' in full_log  # The start-up warning.
   assert freed.split()[0] == 'rc=0' and freed.split()[1:] == [
-      '12', '16', '8', checkpointing.RECORD_FILE], freed_log[-3000:]
+      '12', '16', '8'], freed_log[-3000:]
   assert 'Restored checkpoint at step 8 ' in freed_log
 
 

@@ -1,27 +1,27 @@
 """Orbax checkpoints of a training run: save, restore the newest that restores, keep the best.
 
-A checkpoint `<workdir>/checkpoints/<step>`, written by Orbax's `CheckpointManager`, holds two
+A checkpoint `<workdir>/checkpoints/<step>`, written by Orbax's `CheckpointManager`, holds three
 items:
   state: the whole `TrainState` (model with its BatchNorm statistics and dropout RNG state,
     optimizer, EMA, train-metric sums), so a resumed run continues bit-exactly;
   progress: JSON {epoch, step_in_epoch, steps_per_epoch, layout, and the state of the loop's
     hooks} at the save: where the input pipeline continues (every epoch's order is derived from
-    config.seed, so the position is enough).
+    config.seed, so the position is enough);
+  metrics: JSON, the eval metrics of an epoch-end checkpoint with its SCORE (the run's best
+    metric, signed so that higher is better): written by the manager with the save, so that
+    another run's init_from finds the best without knowing how this run judged it.
 Orbax writes a checkpoint into a temporary directory and renames it once complete, so a process
 killed at any moment, even mid-save, leaves nothing that the next start would pick up (the next
-start removes the temporary directory).
+start removes the temporary directory). Orbax's preservation policy keeps the newest
+`max_to_keep` and the best by SCORE, and deletes the others after each save.
 
-An epoch's checkpoint is saved before its evaluations, so that a failed evaluation loses no
-training. What is known only after them, the eval metrics and the progress of the hooks that ran
-after the save, is this app's own record, `<workdir>/checkpoints/steps.json` ({'steps': {step:
-{progress, metrics}}, 'best_step': step}, rewritten atomically), never written into Orbax's step
-directories. By those metrics the app keeps the best epoch-end checkpoint besides the newest
-`max_to_keep`, and deletes the others through the manager; the record names the best, so that
-another run's `init_from` finds it without knowing how that run judged it.
+An epoch's checkpoint is saved after its evaluations, with their metrics, and the progress of
+every hook, stored once. An evaluation that fails has the epoch's checkpoint saved without
+metrics first (training/hooks.py), so that it loses no training.
 """
 
 import errno
-import json
+import math
 import os
 import re
 import shutil
@@ -35,11 +35,11 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from core import errors
-from training import workdirs
 
 CHECKPOINT_DIR = 'checkpoints'
 CORRUPT_DIR = 'corrupt'  # Under CHECKPOINT_DIR: checkpoints that failed to restore.
-RECORD_FILE = 'steps.json'  # Under CHECKPOINT_DIR: what is known of each step after its save.
+# In an epoch-end checkpoint's metrics: the run's best metric, signed so that higher is better.
+SCORE = 'checkpoint_score'
 LAYOUT = 2  # Of the items above; checkpoints of other layouts are refused with one line.
 _MAX_LISTED = 6  # Differing keys named in a mismatch error.
 # The errnos of a write that the disk or its permissions refused: the user frees space or fixes
@@ -135,15 +135,19 @@ def verify_readable(path: str) -> None:
 
 def checkpoint_path(path: str) -> str:
   """The `state` item of what `path` names: a checkpoint step directory of this app, a
-  checkpoints directory or a workdir (then its best checkpoint as its record names it, else its
-  newest). A `ConfigError` if it names none."""
+  checkpoints directory or a workdir (then its best checkpoint by the SCORE saved with it, else
+  its newest). A `ConfigError` if it names none."""
   for candidate in (path, os.path.join(path, CHECKPOINT_DIR)):
     if os.path.isdir(os.path.join(candidate, 'state')):
       return os.path.join(candidate, 'state')
     steps = [int(name) for name in (os.listdir(candidate) if os.path.isdir(candidate) else ())
              if name.isdigit()]
     if steps:
-      best = _read_record(os.path.join(candidate, RECORD_FILE)).get('best_step')
+      best = None
+      if os.path.basename(os.path.normpath(candidate)) == CHECKPOINT_DIR:
+        checkpoints = Checkpoints(os.path.dirname(os.path.normpath(candidate)), reader=True)
+        best = checkpoints.best_step()
+        checkpoints.close()
       return os.path.join(candidate, str(best if best in steps else max(steps)), 'state')
   raise errors.ConfigError(f'config.init_from={path!r} is not a checkpoint, checkpoints '
                            'directory or workdir of this app: pass one (e.g. runs/mnist).',
@@ -167,21 +171,6 @@ def read_state(path: str) -> dict[str, object]:
   return {name.removesuffix('.value'): leaf for name, leaf in _flat(tree).items()}
 
 
-def _read_record(path: str) -> dict:
-  """RECORD_FILE at `path`: {'steps': {step: {'progress': ..., 'metrics': ...}}, 'best_step':
-  step or None}; empty if there is none. An earlier version of this app wrote the steps alone."""
-  try:
-    with open(path, encoding='utf-8') as file:
-      record = json.load(file)
-  except FileNotFoundError:
-    return {'steps': {}}
-  except ValueError as error:
-    raise errors.CheckpointError(
-        f'The record of the checkpoints {path} is damaged ({_first_line(error)}): move the '
-        f'checkpoints aside and pass a new --workdir.', directory=os.path.dirname(path)) from error
-  return record if 'steps' in record else {'steps': record}
-
-
 def _flat(tree, is_leaf=None) -> dict[str, object]:
   """{'model.conv1.kernel.value': leaf} of a pytree."""
   def name(path):
@@ -199,8 +188,7 @@ def _state_bytes(state: nnx.Module) -> int:
 
 class Checkpoints:
   """The checkpoints of one workdir: Orbax's `CheckpointManager` saves, lists, restores and
-  deletes them; this class keeps the record of what is known after a save, and the rule of
-  which checkpoints to keep."""
+  deletes them, keeping the newest and the best by its preservation policy."""
 
   def __init__(self, workdir: str, best_metric: str | None = None, maximize: bool = True,
                max_to_keep: int = 3, *, reader: bool = False):
@@ -209,19 +197,38 @@ class Checkpoints:
     directories alone: they may be the save in progress of a run training in that workdir."""
     self.directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
     self._best_metric, self._sign = best_metric, 1 if maximize else -1
-    self._max_to_keep = max_to_keep
+    policies = ocp.checkpoint_managers
     # Synchronous saves: the train step donates the state's buffers right after a save returns.
-    # Orbax keeps every checkpoint (no max_to_keep): `_delete_unkept` applies this app's rule.
+    # The best is the highest SCORE (the later of equals); a checkpoint without metrics (saved
+    # by a version of this app that kept them elsewhere) is never deleted.
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
             create=not reader, enable_async_checkpointing=False,
-            cleanup_tmp_directories=not reader),
+            cleanup_tmp_directories=not reader, best_fn=self._score, best_mode='max',
+            preservation_policy=policies.AnyPreservationPolicy([
+                policies.LatestN(max_to_keep),
+                policies.BestN(get_metric_fn=self._score, n=1,
+                               keep_checkpoints_without_metrics=True)])),
         # Named handlers let a fresh process read the metadata of existing checkpoints.
         item_handlers={'state': ocp.StandardCheckpointHandler(),
                        'progress': ocp.JsonCheckpointHandler()})
-    self._records = {int(step): record for step, record in
-                     _read_record(os.path.join(self.directory, RECORD_FILE))['steps'].items()}
+
+  def _score(self, metrics: dict) -> float:
+    """The SCORE of a checkpoint's `metrics`: -inf for one saved without eval metrics. An
+    earlier version of this app saved the metrics without it: theirs is `best_metric`'s."""
+    if SCORE in metrics:
+      return metrics[SCORE]
+    if self._best_metric in metrics:
+      return self._sign * metrics[self._best_metric]
+    return -math.inf
+
+  def _scored(self, metrics: dict[str, float]) -> dict[str, float]:
+    """The eval `metrics` to save with a checkpoint: with their SCORE when they hold the
+    best metric."""
+    if self._best_metric not in metrics:
+      return dict(metrics)
+    return {**metrics, SCORE: self._sign * metrics[self._best_metric]}
 
   def close(self) -> None:
     """Waits for Orbax's background work and ends it."""
@@ -231,11 +238,12 @@ class Checkpoints:
     return sorted(self._manager.all_steps())
 
   def best_step(self) -> int | None:
-    """The epoch-end checkpoint best by the metric (the later of equals); None when none has
-    metrics."""
-    scores = {step: self._sign * metrics[self._best_metric] for step in self.all_steps()
-              if self._best_metric in (metrics := self._metrics(step) or {})}
-    return max(scores, key=lambda step: (scores[step], step)) if scores else None
+    """The epoch-end checkpoint with the highest SCORE (the later of equals); None when none
+    has one."""
+    step = self._manager.best_step()
+    if step is None or self._score(self._manager.metrics(step) or {}) == -math.inf:
+      return None
+    return step
 
   def latest_progress(self) -> dict | None:
     """The progress of the newest checkpoint (JSON only, no arrays read), if any."""
@@ -255,11 +263,10 @@ class Checkpoints:
 
   def save(self, step: int, state: nnx.Module, progress: dict,
            metrics: dict[str, float] | None = None) -> None:
-    """Saves checkpoint `step` of `state` with `progress` (and the eval `metrics` by which the
-    best is kept, when known already: see `record`), then deletes the checkpoints no longer
-    kept. A `StorageError` if the disk is full or not writable, the earlier ones intact."""
+    """Saves checkpoint `step` of `state` with `progress` and the eval `metrics` (an epoch's,
+    by which the best is kept), then Orbax deletes the checkpoints no longer kept. A
+    `StorageError` if the disk is full or not writable, the earlier ones intact."""
     start = time.time()
-    self._forget([step])  # The record of an earlier checkpoint of this step, moved aside.
     # A save that fails part-way leaves TensorStore's other writes running after Orbax gave
     # up, each reporting it with a traceback as it ends: a save that cannot fit never starts.
     if shutil.disk_usage(self.directory).free < _state_bytes(state):
@@ -267,7 +274,8 @@ class Checkpoints:
     try:
       self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(nnx.state(state)),
-          progress=ocp.args.JsonSave({**progress, 'layout': LAYOUT})))
+          progress=ocp.args.JsonSave({**progress, 'layout': LAYOUT})),
+          metrics=self._scored(metrics or {}))
     except Exception as error:  # pylint: disable=broad-except  (re-raised unless an OS error)
       if (reason := io_failure(error)) is None:
         raise
@@ -276,10 +284,6 @@ class Checkpoints:
         for partial in ocp.utils.tmp_checkpoints(self.directory):
           shutil.rmtree(partial.get(), ignore_errors=True)
       raise self._storage_error(step, reason) from error
-    if metrics is None:
-      self._delete_unkept()
-    else:
-      self.record(step, progress, metrics)
     logging.info('Saved checkpoint at step %d in %.2fs.', step, time.time() - start)
 
   def _storage_error(self, step: int, reason: str) -> errors.StorageError:
@@ -291,52 +295,10 @@ class Checkpoints:
         f'{earlier}; free space (or fix the permissions) and rerun the same command to resume.',
         path=self.directory, reason=reason)
 
-  def record(self, step: int, progress: dict, metrics: dict[str, float]) -> None:
-    """Records what is known of the saved checkpoint `step` only after it: the eval `metrics`
-    by which the best is kept, and the `progress` of the hooks that ran after the save (an
-    epoch's checkpoint is saved before its evaluations, so that a failed evaluation loses no
-    training). Then deletes the checkpoints no longer kept: an earlier best, now beaten."""
-    self._records[step] = {'progress': {**progress, 'layout': LAYOUT}, 'metrics': metrics}
-    self._write_records()
-    self._delete_unkept()
-
-  def _write_records(self) -> None:
-    if jax.process_index() == 0:  # All processes keep the same record; the first writes it.
-      workdirs.write_json(os.path.join(self.directory, RECORD_FILE), {
-          'steps': {str(step): record for step, record in self._records.items()},
-          'best_step': self.best_step()})
-
-  def _forget(self, steps) -> None:
-    """Removes the records of `steps` (deleted, moved aside or saved anew)."""
-    if forgotten := [step for step in steps if step in self._records]:
-      for step in forgotten:
-        del self._records[step]
-      self._write_records()
-
-  def _metrics(self, step: int) -> dict[str, float] | None:
-    """The recorded eval metrics of checkpoint `step`, if any. An earlier version of this app
-    kept them in the step, as Orbax's metrics item: those of its checkpoints are read there."""
-    if step in self._records:
-      return self._records[step]['metrics']
-    return self._manager.metrics(step)
-
   def _progress(self, step: int) -> dict:
-    """The progress of checkpoint `step`: as recorded after its save, else as saved."""
-    if step in self._records:
-      return self._records[step]['progress']
+    """The progress saved with checkpoint `step`."""
     return self._manager.restore(step, args=ocp.args.Composite(
         progress=ocp.args.JsonRestore()))['progress']
-
-  def _delete_unkept(self) -> None:
-    """Deletes the checkpoints that are neither among the newest `max_to_keep` nor the best,
-    then their records (a process killed in between leaves records of missing steps, never
-    read)."""
-    steps = self.all_steps()
-    kept = set(steps[-self._max_to_keep:]) | {self.best_step()}
-    unkept = [step for step in steps if step not in kept]
-    for step in unkept:
-      self._manager.delete(step)
-    self._forget(unkept)
 
   def _restore(self, step: int, state: nnx.Module) -> dict:
     """Restores checkpoint `step` into `state` (in place); returns its progress.
@@ -366,7 +328,7 @@ class Checkpoints:
     nnx.update(state, restored['state'])
     logging.info('Restored checkpoint at step %d from %s in %.2fs.', step, self.directory,
                  time.time() - start)
-    return self._records[step]['progress'] if step in self._records else restored['progress']
+    return restored['progress']
 
   def restore_newest(self, state: nnx.Module, *, move_aside: bool) -> tuple[int, dict] | None:
     """Restores the newest checkpoint that restores into `state`: (step, progress), or None
@@ -443,5 +405,4 @@ class Checkpoints:
       target = os.path.join(corrupt, f'{step}.{suffix}')
     os.rename(os.path.join(self.directory, str(step)), target)
     self._manager.reload()
-    self._forget([step])
     return target

@@ -84,9 +84,10 @@ class Hook:
   """A hook that does nothing; subclasses override what they need."""
   name = ''  # Key of its state in the checkpoint's progress item (stateful hooks only).
   ended_run = False  # Whether it ended the run before its last step, for good (not a signal).
-  # Whether it runs after the step's checkpoint is saved: the evaluations and what reads their
-  # results, so that a failed evaluation loses no training.
-  after_save = False
+  # Whether it evaluates, or reads what evaluations found: these run last, before the step's
+  # checkpoint is saved with their metrics; if one fails, the checkpoint is saved without them
+  # first, so that a failed evaluation loses no training.
+  evaluates = False
 
   def on_start(self, loop: Loop) -> None:
     """Called once before the first step (after a resume restored the hooks' state)."""
@@ -271,7 +272,7 @@ class Evaluate(Hook):
 
   # An eval that took longer than this is announced before it runs: nothing stays silent long.
   ANNOUNCE_SECONDS = 5.0
-  after_save = True
+  evaluates = True
 
   def __init__(self, evaluation_: evaluation.Evaluation, batches, reference,
                info: base.DatasetInfo, writer: metric_writers.MetricWriter,
@@ -317,7 +318,7 @@ class EarlyStopping(Hook):
   with `min_delta` the two may differ (the best checkpoint is still the best).
   """
   name = 'early_stopping'
-  after_save = True
+  evaluates = True
 
   def __init__(self, metric: str, maximize: bool, patience: int, min_delta: float):
     self._metric, self._sign = metric, 1 if maximize else -1
@@ -364,24 +365,22 @@ class StopOnSignal(Hook):
 
 class Checkpointing:
   """Saves every `every_steps`, at every epoch end, at the last step and when the run stops
-  early; never a non-finite state. An epoch's checkpoint is saved before its evaluations, so
-  that a failed evaluation loses no training, then `record` adds the eval metrics (by which
-  the best is kept) and the state of the hooks that ran after the save."""
+  early; never a non-finite state. An epoch's checkpoint is saved after its evaluations, with
+  their metrics (by which the best is kept) and every hook's state."""
 
   def __init__(self, checkpoints: checkpointing.Checkpoints, every_steps: int,
                guard: NonFiniteGuard | None):
     self._checkpoints, self._every, self._guard = checkpoints, every_steps, guard
 
-  def after_step(self, loop: Loop, hooks: 'Hooks') -> None:
+  def after_step(self, loop: Loop, hooks: 'Hooks', evaluated: bool = True) -> None:
+    """Saves the step if one is due: at an epoch end with its eval metrics, once `evaluated`
+    (else without them: its evaluation failed)."""
     if not (every(loop.step, self._every) or loop.end_of_epoch or loop.last_step or loop.stop):
       return
     if self._guard:
       self._guard.check_state(loop)
-    self._checkpoints.save(loop.step, loop.state, self._progress(loop, hooks))
-
-  def record(self, loop: Loop, hooks: 'Hooks') -> None:
-    """Adds the epoch's eval metrics and the hooks' state to the checkpoint saved at its end."""
-    self._checkpoints.record(loop.step, self._progress(loop, hooks), dict(loop.metrics))
+    metrics = dict(loop.metrics) if loop.end_of_epoch and evaluated else {}
+    self._checkpoints.save(loop.step, loop.state, self._progress(loop, hooks), metrics)
 
   @staticmethod
   def _progress(loop: Loop, hooks: 'Hooks') -> dict:
@@ -392,10 +391,10 @@ class Checkpointing:
 
 
 class Hooks:
-  """The loop's hooks in order, around the checkpoint save that holds their state: those that
-  run before the save, the save, then those that run after it (`Hook.after_save`: the
-  evaluations and early stopping), whose results are recorded into an epoch's checkpoint.
-  Saves and restores every stateful hook, and says whether a run is done."""
+  """The loop's hooks in order, then the checkpoint save that holds their state: first those
+  that prepare the step's state, then those that evaluate it (`Hook.evaluates`: the
+  evaluations and early stopping), whose metrics an epoch's checkpoint is saved with. Saves
+  and restores every stateful hook, and says whether a run is done."""
 
   def __init__(self, hooks: list[Hook], checkpointing_: Checkpointing):
     self._hooks, self._checkpointing = hooks, checkpointing_
@@ -428,14 +427,16 @@ class Hooks:
 
   def after_step(self, loop: Loop) -> None:
     for hook in self._hooks:
-      if not hook.after_save:
+      if not hook.evaluates:
         hook.after_step(loop)
+    try:
+      for hook in self._hooks:
+        if hook.evaluates:
+          hook.after_step(loop)
+    except BaseException:
+      self._checkpointing.after_step(loop, self, evaluated=False)
+      raise
     self._checkpointing.after_step(loop, self)
-    for hook in self._hooks:
-      if hook.after_save:
-        hook.after_step(loop)
-    if loop.end_of_epoch:
-      self._checkpointing.record(loop, self)
 
 
 def run(loop: Loop, hooks: Hooks, batches, train_step, place, batch_size: int) -> None:

@@ -210,20 +210,19 @@ def test_only_the_labs_own_tests_import_the_lab():
   assert 'tests/lab/test_benchmark.py' in _importing_the_lab(lab_tests, ())
 
 
-@pytest.mark.slow
-def test_input_pipeline_benchmark_prints_images_per_second(tmp_path):
-  """benchmarks/input_pipeline.py on a tiny generated folder: its epochs, and a last line
-  that ends with the app's images/s (PyTorch's rows too when the extras are installed)."""
-  root = tmp_path / 'photos'
-  result = subprocess.run(
-      [sys.executable, '-m', 'benchmarks.input_pipeline', '--config=configs/finetune.py',
-       '--config.data_source=folder', f'--config.dataset={root}', '--config.batch_size=4',
-       '--make_folder=20', '--epochs=2', '--torch=false', '--grain=false'],
-      cwd=ROOT, capture_output=True,
-      text=True, timeout=900)
-  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-  lines = result.stdout.strip().splitlines()
-  assert lines[0].startswith('CPU: ')
-  assert re.fullmatch(r"this app, epoch 2 \(decoded_cache='auto'\): \d+ images/s", lines[-1])
-  assert re.fullmatch(r'this app, epoch 1 \(decodes the files\): \d+ images/s', lines[-2])
-  assert len(list(root.glob('train/*/*.jpg'))) == 20
+def test_an_artefact_rewritten_in_place_is_not_an_uncommitted_change(tmp_path, monkeypatch):
+  """A benchmark rewrites its committed artefact after every row: only other changes count."""
+  git = lambda *args: subprocess.run(['git', '-C', str(tmp_path), *args], check=True,
+                                     capture_output=True)
+  git('init', '-q')
+  for name in ('figures.json', 'code.py'):
+    (tmp_path / name).write_text('0')
+  git('add', '.')
+  git('-c', 'user.name=lab', '-c', 'user.email=lab@localhost', 'commit', '-qm', 'start')
+  monkeypatch.setattr(harness, 'ROOT', str(tmp_path))
+  artefact = str(tmp_path / 'figures.json')
+  (tmp_path / 'figures.json').write_text('1')
+  assert harness.git_commit(artefact)['uncommitted_changes'] is False
+  assert harness.git_commit()['uncommitted_changes'] is True
+  (tmp_path / 'code.py').write_text('1')
+  assert harness.git_commit(artefact)['uncommitted_changes'] is True
