@@ -10,17 +10,14 @@ gives it; with --stock_layers, another runs the project with config.kernels='sto
 The children alternate for --rounds rounds, so that a machine's speed drifting over the run
 (shared cloud cores do) hits all of them alike; the table shows each figure's median.
 
-A child measures: compile time, XLA's FLOPs per example, steady-state training examples/s
-(compile excluded), where a step's time goes (waiting for the input pipeline / Python dispatch /
-device compute, each timed with a sync after every step; `input_wait_share` is the first's
-share), eval examples/s, a 2048x2048 matmul's FLOP/s (the peak that achieved FLOP/s is a
-fraction of) and its peak RSS. With
---time_to_accuracy, `main.py` and the reference also train for real, each timed from process
-start to the first epoch whose eval accuracy reaches --target_accuracy (then stopped). With
---whole_runs=N, each trains config.num_epochs N times, alternating, each run a whole process
-timed from spawn to exit with a new, empty compilation cache, with its last eval accuracy (the
-reference's on the 9,984 images of its drop_remainder batches).
-Prints a table and writes everything, every round included, to --json (`harness.write_json`).
+A child measures compile time, XLA's FLOPs per example, steady-state training examples/s,
+where a step's time goes (waiting for input / Python dispatch / device compute, each timed with
+a sync after every step), eval examples/s, a 2048x2048 matmul's FLOP/s and its peak RSS.
+--time_to_accuracy also trains `main.py` and the reference for real, each timed from process
+start to the first epoch whose eval accuracy reaches --target_accuracy. --whole_runs=N trains
+config.num_epochs N times each, alternating, each a whole process timed from spawn to exit with
+a new, empty compilation cache, with its last eval accuracy (the reference's on the 9,984
+images of its drop_remainder batches). Prints a table; --json keeps every round.
 """
 
 import sys

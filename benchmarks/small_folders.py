@@ -4,16 +4,12 @@
         [--seeds=0,1,2] [--out=docs/small_folders_runs] [--override=--config.model=cnn ...]
 
 For each kind and seed, writes a folder of 1,000 images of 40-80 px with messy files
-(`sample_folders.make_kind_folder`) to `<work>/<kind><seed>/`, trains
-`main.py --config=configs/images.py` on it in `<work>/runs/<label>_<kind><seed>/` with
-`--config.seed=<seed>` and the overrides, and reads its metrics.jsonl: the held-out accuracy
-(`eval/accuracy`, the last 10% of `train`) and the training accuracy (`train/accuracy_epoch`,
-the mean over the last epoch's augmented batches) at the last epoch, the epochs, and the run's
-wall time (start-up included), with the machine's load average (1 minute) before and after the
-run: the machine is shared, so wall times are only comparable at equal load. Appends one row per
-run, with its commit and date, to the rows of `<out>.json` (an artefact of `harness.write_json`,
-whose command and machine are the last invocation's) and rewrites `<out>.md` (a table of every
-row), so that runs of several recipes, failures included, stay side by side.
+(`sample_folders.make_kind_folder`) to `<work>/<kind><seed>/`, trains `main.py
+--config=configs/images.py` on it with `--config.seed=<seed>` and the overrides, and reads its
+metrics.jsonl: held-out and training accuracy at the last epoch, the epochs, the wall time and
+the load before and after (a shared machine's wall times compare only at equal load). Appends
+one row per run to `<out>.json` (`harness.write_json`) and rewrites `<out>.md`, a table of every
+row, so that runs of several recipes, failures included, stay side by side.
 """
 
 import json
