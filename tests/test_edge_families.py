@@ -53,8 +53,8 @@ def test_fine_tuned_from_timms_weights_into_tflite_and_onnx(tmp_path):
   from configs import finetune  # pylint: disable=g-import-not-at-top
   import train  # pylint: disable=g-import-not-at-top
   root = str(tmp_path / 'photos')
-  sample_folders.make_kind_folder(root, 'shapes', num_images=24, image_sizes=(200, 240), messy=False,
-                             formats=('PNG',))
+  sample_folders.make_kind_folder(root, 'shapes', num_images=24, image_sizes=(200, 240),
+                                  messy=False, formats=('PNG',))
   path = timm_helpers.save_safetensors(timm_helpers.timm_model(name), tmp_path / 'w.safetensors')
   config = finetune.get_config()
   config.update(dict(dataset=root, model=name, init_from=path, num_epochs=1, batch_size=8,

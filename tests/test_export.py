@@ -381,8 +381,8 @@ def test_a_backbone_fine_tuned_from_imported_weights_exports_to_every_format(tmp
   import train  # pylint: disable=g-import-not-at-top
   root = str(tmp_path / 'photos')
   # Lossless files: the runtimes' scripts decode with other libraries than predict.
-  sample_folders.make_kind_folder(root, 'shapes', num_images=32, image_sizes=(40, 64), messy=False,
-                             formats=('PNG', 'BMP'))
+  sample_folders.make_kind_folder(root, 'shapes', num_images=32, image_sizes=(40, 64),
+                                  messy=False, formats=('PNG', 'BMP'))
   torch.manual_seed(0)
   widths = SmallResNetWithTimmKeys.widths
   timm_model = timm.models.resnet.ResNet(timm.models.resnet.BasicBlock, (1, 1, 1, 1),

@@ -386,7 +386,8 @@ def test_predict_downloads_by_name_then_reads_the_cache(served, weights_file, tm
   the local file; with HF_HUB_OFFLINE=1 and the server stopped, the same from the cache; a
   repository the Hub lacks is one line."""
   root, inputs = str(tmp_path / 'shapes'), str(tmp_path / 'shapes' / 'train')
-  sample_folders.make_kind_folder(root, 'shapes', num_images=8, image_sizes=(40, 60), messy=False)
+  sample_folders.make_kind_folder(root, 'shapes', num_images=8, image_sizes=(40, 60),
+                                  messy=False)
   env = dict(os.environ)
   # The reference, predict from the local file: main.py --mode=predict's call, in this process
   # (a main.py start less).

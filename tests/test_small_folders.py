@@ -30,8 +30,8 @@ def test_the_same_seed_writes_the_same_folder_and_another_seed_another(tmp_path)
   read = lambda root: [example['image'] for example in
                        folder_source.FolderSource(root).examples('train').as_numpy_iterator()]
   for name, seed in (('a', 0), ('b', 0), ('c', 1)):
-    sample_folders.make_kind_folder(str(tmp_path / name), 'textures', seed=seed, num_images=8,
-                                   messy=False)
+    sample_folders.make_kind_folder(str(tmp_path / name), 'textures', seed=seed,
+                                    num_images=8, messy=False)
   first, again, other = (read(str(tmp_path / name)) for name in 'abc')
   assert all(np.array_equal(x, y) for x, y in zip(first, again))
   assert not all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(first, other))
