@@ -38,12 +38,12 @@ row carries XLA's FLOP count of the compiled step (`cost_analysis()['flops']`) a
 the chip's bf16 peak (PEAK_FLOPS) or, on a CPU, a 2048x2048 matmul's FLOP/s in the row's dtype;
 a PyTorch row's MFU counts the app's FLOPs of its model and dtype. JAX rows also give the
 seconds to create the state and to compile the step, and on an accelerator the chip's kind and
-runtime version. --trace_dir writes a profiler trace of each JAX row's timed steps.
-On a CPU without AVX512-BF16 or AMX bfloat16 is emulated and PyTorch's bfloat16 runs many
-times slower than float32: measure it at a smaller --batch_size, in a run of its own.
+runtime version. --trace_dir writes a profiler trace of each JAX row's timed steps. Without
+AVX512-BF16 or AMX, PyTorch's bfloat16 is emulated: measure it alone, at a smaller batch.
 """
 
 import collections
+import contextlib
 import functools
 import json
 import os
@@ -120,11 +120,11 @@ def timed_steps(step, trace: str | None = None) -> dict:
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
   times = harness.time_calls(counted_step, FLAGS.warmup)
+  tracing = contextlib.nullcontext()
   if trace:
     import jax  # pylint: disable=g-import-not-at-top  (JAX rows only)
-    with jax.profiler.trace(trace):
-      times += harness.time_calls(counted_step, FLAGS.steps)
-  else:
+    tracing = jax.profiler.trace(trace)
+  with tracing:
     times += harness.time_calls(counted_step, FLAGS.steps)
   return {'first_step_seconds': times[0], 'step_seconds': times[FLAGS.warmup:],
           'page_faults_per_step': harness.median(faults[FLAGS.warmup:])}
@@ -358,6 +358,13 @@ def torch_network(model: str, device):
   return network.to(device)
 
 
+def synchronize(device) -> None:
+  """Waits for the work queued on PyTorch's `device` (on a CPU, done when a call returns)."""
+  import torch  # pylint: disable=g-import-not-at-top  (optional extras)
+  if device.type == 'cuda':
+    torch.cuda.synchronize(device)
+
+
 def torch_threads_and_device(device) -> dict:
   """What a PyTorch child reports beside its times: its threads and its device's name."""
   import torch  # pylint: disable=g-import-not-at-top  (optional extras)
@@ -389,8 +396,7 @@ def measure_torch(configuration: str, model: str, dtype: str) -> dict:
     loss.backward()
     optimizer.step()
     ema.update(network)
-    if device.type == 'cuda':  # CPU work is done when the call returns.
-      torch.cuda.synchronize(device)
+    synchronize(device)
 
   return {**timed_steps(step), **torch_threads_and_device(device)}
 
@@ -421,8 +427,7 @@ def measure_torch_inference(configuration: str, model: str, dtype: str) -> dict:
     with (torch.inference_mode(),
           torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == 'bfloat16')):
       forward(images)
-    if device.type == 'cuda':  # CPU work is done when the call returns.
-      torch.cuda.synchronize(device)
+    synchronize(device)
 
   return {**timed_steps(step), **torch_threads_and_device(device)}
 

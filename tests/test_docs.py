@@ -8,6 +8,7 @@ import os
 import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_DOCS = sorted(glob.glob(os.path.join(ROOT, 'docs', '*.md'))) + [os.path.join(ROOT, 'README.md')]
 _LINK = re.compile(r'\]\(([^)#]+\.json)\)')
 # A figure: thousands separated (2,393) or with decimals (48.0), then maybe % or x.
 _FIGURE = re.compile(r'(?<![\w.,])(\d{1,3}(?:,\d{3})+|\d+\.\d+)(%|x)?(?![\w.])')
@@ -49,8 +50,7 @@ def _in_artefact(text: str, unit: str | None, numbers: list) -> bool:
 
 def test_figures_next_to_an_artefact_link_are_in_the_artefact():
   unmatched, checked = [], 0
-  for doc in sorted(glob.glob(os.path.join(ROOT, 'docs', '*.md'))) + [
-      os.path.join(ROOT, 'README.md')]:
+  for doc in _DOCS:
     with open(doc, encoding='utf-8') as file:
       lines = file.readlines()
     for number, line in enumerate(lines, 1):
@@ -86,8 +86,7 @@ def test_a_documented_command_is_the_command_its_artefact_records():
   command that wrote it (its output path included), as the artefact records it; a `taskset`
   prefix aside."""
   differing, checked = [], 0
-  for doc in sorted(glob.glob(os.path.join(ROOT, 'docs', '*.md'))) + [
-      os.path.join(ROOT, 'README.md')]:
+  for doc in _DOCS:
     with open(doc, encoding='utf-8') as file:
       commands = _commands(file.read())
     for command in commands:
