@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from backbones import common
 from configs import default
 from core import errors
 import kernels
@@ -251,3 +252,32 @@ def test_bfloat16_evaluates_within_a_small_margin_of_float32(tfds_data_dir, tmp_
   assert results['float32']['eval/accuracy'] > 0.97, results
   assert abs(results['bfloat16']['eval/accuracy'] - results['float32']['eval/accuracy']) < 0.01
   assert abs(results['bfloat16']['eval/loss'] - results['float32']['eval/loss']) < 0.03
+
+
+class _DroppedBranch(nnx.Module):
+  """A BatchNorm after a residual branch that dropout and stochastic depth can drop."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(8, 8, rngs=rngs)
+    self.dropout = nnx.Dropout(0.5, rngs=rngs)
+    self.drop_path = common.DropPath(0.5, rngs=rngs)
+    self.batch_norm = nnx.BatchNorm(8, rngs=rngs)
+
+  def __call__(self, x):
+    return self.batch_norm(x + self.drop_path(self.dropout(self.linear(x))))
+
+
+def test_precise_batch_norm_statistics_are_the_mean_over_the_batches_with_no_branch_dropped():
+  """Precise BN's statistics are each batch's own, averaged over the batches (not the last
+  batch's alone), and taken with neither dropout nor stochastic depth (DropPath) drawing, though
+  the model stays in training mode."""
+  rng = np.random.default_rng(0)
+  batches = [jnp.asarray(rng.normal(size=(16, 8)), jnp.float32) for _ in range(3)]
+  model = _DroppedBranch(nnx.Rngs(0))
+  state_lib.recompute_batch_statistics(model, [{'image': images} for images in batches])
+  kept = [np.array(model.linear(images) + images) for images in batches]
+  np.testing.assert_allclose(model.batch_norm.mean[...], np.mean([x.mean(0) for x in kept], 0),
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(model.batch_norm.var[...], np.mean([x.var(0) for x in kept], 0),
+                             rtol=1e-4, atol=1e-6)
+  assert not model.drop_path.deterministic and not model.dropout.deterministic  # Still training.

@@ -368,16 +368,19 @@ def _scaled_batch(batch: Batch, preprocess: preprocessing.Preprocessing) -> Batc
 
 
 @nnx.jit
-def _batch_statistics(probe: nnx.Module, images: jax.Array) -> nnx.State:
-  """The BatchNorm statistics of one batch: `probe` normalises it with momentum 0."""
+def _batch_statistics(probe: nnx.Module, images: jax.Array) -> dict:
+  """The BatchNorm statistics of one batch (`probe` normalises it with momentum 0), as plain
+  arrays: an `nnx.State` returned holds the probe's own Variables, which the next batch
+  overwrites (every batch's would read as the last's)."""
   probe(images)
-  return nnx.state(probe, nnx.BatchStat)
+  return nnx.to_pure_dict(nnx.state(probe, nnx.BatchStat))
 
 
 def recompute_batch_statistics(model: nnx.Module, batches) -> None:
   """Sets the statistics of `model`'s BatchNorms to their mean over `batches` ("precise BN", Wu
   and Johnson 2021): each batch normalised with its own statistics, as in training, without
-  dropout, by the current weights. A frozen BatchNorm keeps its statistics as they are.
+  dropout or stochastic depth, by the current weights. A frozen BatchNorm keeps its statistics
+  as they are.
 
   The running averages that training keeps (momentum 0.99) lag the weights: they start at mean
   0 and variance 1, and still weigh that start by 0.55 after 60 steps; and when a layer's input
@@ -385,18 +388,20 @@ def recompute_batch_statistics(model: nnx.Module, batches) -> None:
   `tests/test_train_options.py` shows the accuracy they cost MNIST in bfloat16.
   """
   probe = nnx.clone(model)
+  # Every random layer off (nnx.Dropout and the backbones' DropPath alike): statistics taken
+  # with branches dropped are noisy from epoch to epoch and wider than eval's.
+  probe.set_attributes(deterministic=True, raise_if_not_found=False)
   trained = set()  # The paths of the BatchNorms not frozen, whose statistics are recomputed.
   for path, module in nnx.iter_modules(probe):  # `model` is in training mode.
     if isinstance(module, nnx.BatchNorm) and not module.use_running_average:  # Not frozen.
       module.momentum = 0.0
       trained.add(path)
-    elif isinstance(module, nnx.Dropout):
-      module.deterministic = True
   if not trained:
     return  # Every BatchNorm frozen: each keeps its statistics, no pass over `batches`.
   statistics = [_batch_statistics(probe, batch['image']) for batch in batches]
   if statistics:
-    mean = _mean(statistics)
+    mean = nnx.state(probe, nnx.BatchStat)
+    nnx.replace_by_pure_dict(mean, _mean(statistics))
     # A frozen BatchNorm's statistics are left out, not written back as the mean of their
     # copies: that mean rounds them (the last bit of a quarter of them over 5 batches).
     nnx.update(model, mean.filter(lambda path, _: path[:-1] in trained))
