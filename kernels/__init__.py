@@ -46,7 +46,7 @@ CPU_LAYERS = Layers(conv=cpu.Conv, batch_norm=cpu.BatchNorm, layer_norm=cpu.Laye
                     dropout=cpu.Dropout, avg_pool=cpu.avg_pool, max_pool=cpu.max_pool,
                     attention=cpu.dot_product_attention, gelu=cpu.gelu)
 GPU_LAYERS = Layers(attention=gpu.dot_product_attention)
-TPU_LAYERS = Layers(attention=tpu.dot_product_attention, gelu=tpu.gelu)
+TPU_LAYERS = Layers(conv=tpu.Conv, attention=tpu.dot_product_attention, gelu=tpu.gelu)
 
 
 def select_layers(kernels: str, backend: str | None = None,

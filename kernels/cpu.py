@@ -72,12 +72,12 @@ def patches_bytes(input_shape: tuple[int, ...], kernel_shape: tuple[int, ...], d
   """The size of `conv_patches`' patch matrix for an NHWC input and an HWIO kernel."""
   n, h, w, _ = input_shape
   kh, kw, c, _ = kernel_shape
-  pads = _pads(input_shape, kernel_shape, strides, padding)
+  pads = explicit_pads(input_shape, kernel_shape, strides, padding)
   return (n * _output_size(h, kh, strides[0], pads[0]) * _output_size(w, kw, strides[1], pads[1])
           * kh * kw * c * jnp.dtype(dtype).itemsize)
 
 
-def _pads(input_shape, kernel_shape, strides, padding) -> Pads:
+def explicit_pads(input_shape, kernel_shape, strides, padding) -> Pads:
   """`padding` as lax reads it ('SAME': the extra row of an odd total at the bottom)."""
   if isinstance(padding, str):
     padding = lax.padtype_to_pads(input_shape[1:3], kernel_shape[:2], strides, padding)
@@ -93,9 +93,9 @@ def _conv_general_dilated(lhs, rhs, window_strides, padding, **options):
   convolution with patches of at most `PATCHES_LIMIT_BYTES`, `conv_depthwise` where the
   convolution is depthwise; `lax.conv_general_dilated` with the same arguments everywhere
   else."""
-  if lhs.ndim == 4 and _is_plain_2d(options):
+  if lhs.ndim == 4 and is_plain_2d(options):
     strides = tuple(int(s) for s in window_strides)
-    pads = _pads(lhs.shape, rhs.shape, strides, padding)
+    pads = explicit_pads(lhs.shape, rhs.shape, strides, padding)
     groups = options.get('feature_group_count', 1)
     if min(min(pair) for pair in pads) >= 0:
       if (groups == 1 and patches_bytes(lhs.shape, rhs.shape, lhs.dtype, strides, pads)
@@ -106,7 +106,7 @@ def _conv_general_dilated(lhs, rhs, window_strides, padding, **options):
   return lax.conv_general_dilated(lhs, rhs, window_strides, padding, **options)
 
 
-def _is_plain_2d(options: dict) -> bool:
+def is_plain_2d(options: dict) -> bool:
   """Whether these `lax.conv_general_dilated` options ask for `conv_patches`' convolution."""
   undilated = all(tuple(options.get(name) or (1, 1)) == (1, 1)
                   for name in ('lhs_dilation', 'rhs_dilation'))
@@ -169,10 +169,16 @@ def conv_patches(x: jax.Array, kernel: jax.Array, strides: tuple[int, int],
                                   dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
 
 
-def _conv_patches_fwd(x, kernel, strides, pads):
+def patches_matmul(x: jax.Array, kernel: jax.Array, strides: tuple[int, int],
+                   pads: Pads) -> jax.Array:
+  """An NHWC x HWIO convolution as one matmul of its windows (im2col) by the kernel."""
   patches = _patches(x, kernel.shape, strides, pads)
   y = patches.reshape(-1, patches.shape[-1]) @ kernel.reshape(-1, kernel.shape[-1])
-  return y.reshape(*patches.shape[:3], -1), (x, kernel)
+  return y.reshape(*patches.shape[:3], -1)
+
+
+def _conv_patches_fwd(x, kernel, strides, pads):
+  return patches_matmul(x, kernel, strides, pads), (x, kernel)
 
 
 def _conv_patches_bwd(strides, pads, residuals, dy):
@@ -338,8 +344,8 @@ def max_pool(inputs: jax.Array, window_shape: Sequence[int], strides: Sequence[i
   if (len(window_shape) != 2 or inputs.ndim != 4
       or not jnp.issubdtype(inputs.dtype, jnp.floating)):
     return nnx.max_pool(inputs, window_shape, strides, padding)
-  return _max_pool_2d(inputs, window_shape, strides, _pads(inputs.shape, window_shape, strides,
-                                                          padding))
+  return _max_pool_2d(inputs, window_shape, strides,
+                      explicit_pads(inputs.shape, window_shape, strides, padding))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))

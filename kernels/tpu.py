@@ -1,5 +1,6 @@
 """Layers for JAX's TPU backend, swapped in by `kernels.select_layers` with the same function as
-the stock ones, for bfloat16 activations (config.compute_dtype='bfloat16').
+the stock ones: small convolutions as matmuls (which XLA:TPU compiles in a fraction of the
+time), and attention and the GELU for bfloat16 activations (config.compute_dtype='bfloat16').
 
 Measured on one TPU v5e chip, ViT-S/16's bfloat16 train step at batch 256 spent 64 of its 148 ms
 in `jax.nn.dot_product_attention`, and its MLP's forward matmuls, the exact GELU's erf fused
@@ -7,8 +8,12 @@ into them, ran at 76 TFLOP/s against the backward ones' 126 (docs/accelerators.m
 profile and its artefact). big_vision's ViT computes both as below.
 """
 
+from flax import nnx
 import jax
+from jax import lax
 import jax.numpy as jnp
+
+from kernels import cpu
 
 _BFLOAT16 = jnp.dtype(jnp.bfloat16)
 
@@ -49,3 +54,40 @@ def gelu(x: jax.Array) -> jax.Array:
   if x.dtype != _BFLOAT16:
     return jax.nn.gelu(x, approximate=False)
   return jax.nn.gelu(x.astype(jnp.float32), approximate=True).astype(x.dtype)
+
+
+class Conv(nnx.Conv):
+  """`nnx.Conv` whose small 2-D convolutions run as one matmul over their windows (im2col), in
+  training and in eval; JAX differentiates the matmul and the windows' slices.
+
+  XLA:TPU takes seconds to compile each convolution and each of its two gradients, where it
+  compiles a matmul in a fraction of a second: on one v5e chip's host, MNIST's CNN's train
+  step compiled in 46 s, nearly all of it in its convolutions (docs/accelerators.md). A small
+  convolution's step time is the chip's dispatch, whichever way it runs. Convolutions whose
+  patch matrix exceeds `PATCHES_LIMIT_BYTES` (224-px images in large batches: a ResNet's), and
+  any convolution `kernels.cpu.Conv` leaves to the stock layer (dilated, grouped, 1-D or 3-D,
+  with a `precision`), run as XLA's convolution.
+  """
+
+  def __init__(self, *args, **kwargs):
+    if 'conv_general_dilated' in kwargs:  # A convolution of the caller's own wins.
+      super().__init__(*args, **kwargs)
+    else:
+      super().__init__(*args, conv_general_dilated=_conv_general_dilated, **kwargs)
+
+
+PATCHES_LIMIT_BYTES = 256 * 2**20  # MNIST's and CIFAR's layers, in eval batches of 512 too.
+
+
+def _conv_general_dilated(lhs, rhs, window_strides, padding, **options):
+  """`cpu.patches_matmul` behind `nnx.Conv`'s hook where it computes the same convolution with
+  patches of at most `PATCHES_LIMIT_BYTES`; `lax.conv_general_dilated` everywhere else."""
+  if (lhs.ndim == 4 and cpu.is_plain_2d(options)
+      and options.get('feature_group_count', 1) == 1):
+    strides = tuple(int(s) for s in window_strides)
+    pads = cpu.explicit_pads(lhs.shape, rhs.shape, strides, padding)
+    if (min(min(pair) for pair in pads) >= 0
+        and cpu.patches_bytes(lhs.shape, rhs.shape, lhs.dtype, strides, pads)
+        <= PATCHES_LIMIT_BYTES):
+      return cpu.patches_matmul(lhs, rhs, strides, pads)
+  return lax.conv_general_dilated(lhs, rhs, window_strides, padding, **options)
