@@ -67,13 +67,19 @@ PATCHES_LIMIT_BYTES = 256 * 2**20
 Pads = tuple[tuple[int, int], tuple[int, int]]  # (top, bottom), (left, right).
 
 
+def output_pixels(input_shape: tuple[int, ...], kernel_shape: tuple[int, ...],
+                  strides: tuple[int, int] = (1, 1), padding: str | Pads = 'SAME') -> int:
+  """Height times width of the output of an NHWC x HWIO convolution."""
+  pads = explicit_pads(input_shape, kernel_shape, strides, padding)
+  return (_output_size(input_shape[1], kernel_shape[0], strides[0], pads[0])
+          * _output_size(input_shape[2], kernel_shape[1], strides[1], pads[1]))
+
+
 def patches_bytes(input_shape: tuple[int, ...], kernel_shape: tuple[int, ...], dtype,
                   strides: tuple[int, int] = (1, 1), padding: str | Pads = 'SAME') -> int:
   """The size of `conv_patches`' patch matrix for an NHWC input and an HWIO kernel."""
-  n, h, w, _ = input_shape
   kh, kw, c, _ = kernel_shape
-  pads = explicit_pads(input_shape, kernel_shape, strides, padding)
-  return (n * _output_size(h, kh, strides[0], pads[0]) * _output_size(w, kw, strides[1], pads[1])
+  return (input_shape[0] * output_pixels(input_shape, kernel_shape, strides, padding)
           * kh * kw * c * jnp.dtype(dtype).itemsize)
 
 

@@ -60,13 +60,16 @@ class Conv(nnx.Conv):
   """`nnx.Conv` whose small 2-D convolutions run as one matmul over their windows (im2col), in
   training and in eval; JAX differentiates the matmul and the windows' slices.
 
-  XLA:TPU takes seconds to compile each convolution and each of its two gradients, where it
-  compiles a matmul in a fraction of a second: on one v5e chip's host, MNIST's CNN's train
-  step compiled in 46 s, nearly all of it in its convolutions (docs/accelerators.md). A small
-  convolution's step time is the chip's dispatch, whichever way it runs. Convolutions whose
-  patch matrix exceeds `PATCHES_LIMIT_BYTES` (224-px images in large batches: a ResNet's), and
-  any convolution `kernels.cpu.Conv` leaves to the stock layer (dilated, grouped, 1-D or 3-D,
-  with a `precision`), run as XLA's convolution.
+  XLA:TPU takes seconds to compile some convolutions' gradients (MNIST's first layer, one input
+  channel, most of all), where it compiles a matmul in a fraction of a second: MNIST's whole
+  run on one v5e chip spends most of its start compiling its CNN (docs/accelerators.md). For
+  such convolutions the chip's step time is its dispatch, whichever way they run. Larger
+  convolutions run faster as XLA's own, and keep it: those with more than
+  `PATCHES_MAX_CONTRACTION` products per output value (kh * kw * input channels: a 224-px
+  ResNet's past its stem, a ViT's patch embedding), an output larger than
+  `PATCHES_MAX_PIXELS` (a ResNet's stem), or a patch matrix over `PATCHES_LIMIT_BYTES`. So do
+  the convolutions `kernels.cpu.Conv` leaves to the stock layer (dilated, grouped, 1-D or
+  3-D, with a `precision`).
   """
 
   def __init__(self, *args, **kwargs):
@@ -76,17 +79,23 @@ class Conv(nnx.Conv):
       super().__init__(*args, conv_general_dilated=_conv_general_dilated, **kwargs)
 
 
-PATCHES_LIMIT_BYTES = 256 * 2**20  # MNIST's and CIFAR's layers, in eval batches of 512 too.
+# MNIST's and CIFAR's convolutions: at most 32 x 32 output pixels, 3 x 3 over at most 56
+# channels, a patch matrix of at most 256 MiB (an eval batch of 512 MNIST images: 110 MiB).
+PATCHES_MAX_CONTRACTION = 512
+PATCHES_MAX_PIXELS = 32 * 32
+PATCHES_LIMIT_BYTES = 256 * 2**20
 
 
 def _conv_general_dilated(lhs, rhs, window_strides, padding, **options):
-  """`cpu.patches_matmul` behind `nnx.Conv`'s hook where it computes the same convolution with
-  patches of at most `PATCHES_LIMIT_BYTES`; `lax.conv_general_dilated` everywhere else."""
+  """`cpu.patches_matmul` behind `nnx.Conv`'s hook for the small convolutions it computes
+  alike (`Conv`); `lax.conv_general_dilated` everywhere else."""
   if (lhs.ndim == 4 and cpu.is_plain_2d(options)
-      and options.get('feature_group_count', 1) == 1):
+      and options.get('feature_group_count', 1) == 1
+      and rhs.shape[0] * rhs.shape[1] * rhs.shape[2] <= PATCHES_MAX_CONTRACTION):
     strides = tuple(int(s) for s in window_strides)
     pads = cpu.explicit_pads(lhs.shape, rhs.shape, strides, padding)
     if (min(min(pair) for pair in pads) >= 0
+        and cpu.output_pixels(lhs.shape, rhs.shape, strides, pads) <= PATCHES_MAX_PIXELS
         and cpu.patches_bytes(lhs.shape, rhs.shape, lhs.dtype, strides, pads)
         <= PATCHES_LIMIT_BYTES):
       return cpu.patches_matmul(lhs, rhs, strides, pads)

@@ -14,6 +14,7 @@ import kernels
 from kernels import cpu
 from kernels import gpu
 from kernels import tpu
+import models
 from tests.helpers import small_backbones  # pylint: disable=unused-import  (registers them)
 from tests.helpers.build import create_backbone
 from training import state as state_lib
@@ -82,6 +83,51 @@ def test_conv_without_gradients_is_a_matmul_where_its_output_is_two_pixels_or_le
   x = _normal(0, (4, height, width, 8))
   assert ('convolution' in jax.jit(lambda x: fast(x)).lower(x).as_text()) == convolution
   np.testing.assert_allclose(fast(x), stock(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('in_features,kernel_size,strides,padding', [
+    (1, (3, 3), 1, 'SAME'), (32, (3, 3), 1, 'SAME'), (3, (5, 3), 2, ((1, 2), (0, 1))),
+    (56, (3, 3), (2, 1), 'VALID'),
+])
+def test_tpu_conv_runs_small_convolutions_as_a_matmul_equal_to_nnx_conv(
+    in_features, kernel_size, strides, padding):
+  """MNIST-sized convolutions: no convolution in the program, forward or backward, and the
+  stock layer's values and gradients."""
+  arguments = dict(kernel_size=kernel_size, strides=strides, padding=padding)
+  stock, fast = (_built(layer, in_features, 8, **arguments) for layer in (nnx.Conv, tpu.Conv))
+  x = _normal(0, (4, 12, 10, in_features))
+  assert 'convolution' not in jax.jit(jax.grad(lambda x: fast(x).sum())).lower(x).as_text()
+  (y, *grads), (stock_y, *stock_grads) = _value_and_grads(fast, x), _value_and_grads(stock, x)
+  np.testing.assert_allclose(y, stock_y, rtol=1e-5, atol=1e-5)
+  for grad, stock_grad in zip(grads, stock_grads):
+    np.testing.assert_allclose(grad, stock_grad, rtol=1e-5, atol=1e-4)
+
+
+def test_the_reference_cnn_on_the_tpu_layers_has_no_convolution_in_training_or_eval():
+  """MNIST's CNN at its training batch (128) and eval batch (512): every convolution a
+  matmul, as XLA:TPU compiles much faster."""
+  cnn = _built(models.CNN, (28, 28, 1), 10, layers=kernels.TPU_LAYERS)
+  loss = lambda cnn, x: cnn(x).sum()
+  train = nnx.jit(nnx.grad(loss)).lower(cnn, _normal(0, (128, 28, 28, 1))).as_text()
+  cnn.eval()
+  evaluate = nnx.jit(lambda cnn, x: cnn(x)).lower(cnn, _normal(0, (512, 28, 28, 1))).as_text()
+  assert 'dot_general' in train and 'convolution' not in train + evaluate
+
+
+@pytest.mark.parametrize('in_features,kernel_size,strides,image,limit', [
+    (57, (3, 3), 1, 12, tpu.PATCHES_LIMIT_BYTES),  # 513 products an output: a wide layer's.
+    (3, (16, 16), 16, 48, tpu.PATCHES_LIMIT_BYTES),  # A ViT's patch embedding (768).
+    (1, (3, 3), 1, 33, tpu.PATCHES_LIMIT_BYTES),  # 33 x 33 pixels out: a larger image's.
+    (1, (3, 3), 1, 12, 4 * 12 * 12 * 9 * 4 - 1),  # A patch matrix over the limit.
+])
+def test_tpu_conv_leaves_larger_convolutions_to_xla(in_features, kernel_size, strides, image,
+                                                    limit, monkeypatch):
+  monkeypatch.setattr(tpu, 'PATCHES_LIMIT_BYTES', limit)
+  arguments = dict(kernel_size=kernel_size, strides=strides)
+  stock, fast = (_built(layer, in_features, 4, **arguments) for layer in (nnx.Conv, tpu.Conv))
+  x = _normal(0, (4, image, image, in_features))
+  assert 'convolution' in jax.jit(jax.grad(lambda x: fast(x).sum())).lower(x).as_text()
+  np.testing.assert_array_equal(fast(x), stock(x))
 
 
 @pytest.mark.parametrize('option', [
