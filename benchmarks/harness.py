@@ -228,9 +228,10 @@ def git_commit(artefact: str = '') -> dict[str, str | bool | None]:
     return result.stdout.strip() if result.returncode == 0 else None
   commit = git('rev-parse', 'HEAD')
   excluded = [f':!{os.path.relpath(os.path.abspath(artefact), ROOT)}'] if artefact else []
-  return {'commit': commit, 'uncommitted_changes': bool(
-      git('status', '--porcelain', '--untracked-files=no', '--', '.', *excluded))
-          if commit else None}
+  status = git('status', '--porcelain', '--untracked-files=no', '--', '.', *excluded)
+  # None where git cannot tell (a copy whose index it may not write, say): not "no changes".
+  return {'commit': commit,
+          'uncommitted_changes': bool(status) if commit and status is not None else None}
 
 
 def utc_now() -> str:
