@@ -227,9 +227,11 @@ def git_commit(artefact: str = '') -> dict[str, str | bool | None]:
                             check=False)
     return result.stdout.strip() if result.returncode == 0 else None
   commit = git('rev-parse', 'HEAD')
-  excluded = [f':!{os.path.relpath(os.path.abspath(artefact), ROOT)}'] if artefact else []
+  inside = artefact and os.path.abspath(artefact).startswith(os.path.join(ROOT, ''))
+  excluded = [f':!{os.path.relpath(os.path.abspath(artefact), ROOT)}'] if inside else []
+  # git refuses a pathspec outside the checkout (an artefact written elsewhere), and where git
+  # cannot tell, the changes are unknown (None), not none.
   status = git('status', '--porcelain', '--untracked-files=no', '--', '.', *excluded)
-  # None where git cannot tell (a copy whose index it may not write, say): not "no changes".
   return {'commit': commit,
           'uncommitted_changes': bool(status) if commit and status is not None else None}
 

@@ -8,7 +8,8 @@ Runs the command after `--` as a child from the repository root (its output show
 command (rerun it to regenerate the file), the commit, the machine and the date; the run's
 command, wall time (spawn to exit), peak RSS and exit code; and from the workdir the command
 names (its --workdir), each metric's last value in metrics.jsonl (`final_metrics`, with the last
-step) and every evaluation's figures by step (`evaluations`). A run that fails writes nothing
+step), every evaluation's figures by step (`evaluations`) and every epoch's training figures
+(`training`: loss, accuracy, examples a second). A run that fails writes nothing
 and ends this one with its exit status.
 """
 
@@ -42,13 +43,13 @@ def workdir_of(command: list[str]) -> str:
                        "run's metrics there.")
 
 
-def evaluations(steps: list[dict[str, float]]) -> list[dict[str, float]]:
-  """The steps of `steps` (harness.read_metrics's) that evaluated a split: their step, epoch
-  and evaluation metrics."""
+def logged(steps: list[dict[str, float]],
+           prefixes: tuple[str, ...]) -> list[dict[str, float]]:
+  """The steps of `steps` (harness.read_metrics's) that logged metrics named with one of
+  `prefixes`: their step, epoch and those metrics."""
   return [{'step': values['step'], **({'epoch': values['epoch']} if 'epoch' in values else {}),
-           **{name: value for name, value in values.items()
-              if name.startswith(_EVALUATION_PREFIXES)}}
-          for values in steps if any(name.startswith(_EVALUATION_PREFIXES) for name in values)]
+           **{name: value for name, value in values.items() if name.startswith(prefixes)}}
+          for values in steps if any(name.startswith(prefixes) for name in values)]
 
 
 def record(command: list[str], json_path: str) -> None:
@@ -64,7 +65,8 @@ def record(command: list[str], json_path: str) -> None:
       'run': {'command': shlex.join(command), 'wall_s': child.seconds,
               'peak_rss_mb': child.peak_rss_mb, 'returncode': child.returncode,
               'workdir': workdir},
-      'final_metrics': harness.final_metrics(steps), 'evaluations': evaluations(steps)})
+      'final_metrics': harness.final_metrics(steps),
+      'evaluations': logged(steps, _EVALUATION_PREFIXES), 'training': logged(steps, ('train/',))})
   print(f'Wrote {json_path}.')
 
 

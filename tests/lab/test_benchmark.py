@@ -159,6 +159,7 @@ def test_record_runs_the_command_and_writes_its_figures(tmp_path, monkeypatch):
                                        'train/loss': 0.1, 'test/accuracy': 0.7}
   assert artefact['evaluations'] == [{'step': 5, 'epoch': 1, 'eval/accuracy': 0.5},
                                      {'step': 9, 'test/accuracy': 0.7}]
+  assert artefact['training'] == [{'step': 9, 'train/loss': 0.1}]
   assert {'commit', 'machine', 'date'} <= artefact.keys()
 
 
@@ -241,6 +242,8 @@ def test_an_artefact_rewritten_in_place_is_not_an_uncommitted_change(tmp_path, m
   assert harness.git_commit()['uncommitted_changes'] is True
   (tmp_path / 'code.py').write_text('1')
   assert harness.git_commit(artefact)['uncommitted_changes'] is True
+  # An artefact written outside the checkout: git refuses its pathspec; the change still counts.
+  assert harness.git_commit(str(tmp_path.parent / 'out.json'))['uncommitted_changes'] is True
 
 
 # benchmarks/backbones.py
