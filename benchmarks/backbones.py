@@ -3,10 +3,11 @@ and big_vision's ViT, on one machine.
 
     python -m benchmarks.backbones --json=backbones.json [--task=train|inference] \
       [--models=resnet50,vit_small_patch16_224] [--dtypes=float32,bfloat16] \
+      [--pairs=vit_small_patch16_224:float32,resnet50:bfloat16] \
       [--configurations=jax_auto,jax_off,torch_eager,torch_compile,onnxruntime,tflite] \
       [--batch_size=32] [--image_size=224] [--warmup=3] [--steps=5] [--rounds=3] [--device=cpu]
 
-For every model x dtype x configuration a fresh child builds the model and its optimizer, runs
+For every model x dtype (or each of --pairs) x configuration a fresh child builds the model and its optimizer, runs
 --warmup steps (the first compiles: reported apart) and times --steps steps, each waited for:
 the median step gives images/s. Configurations alternate within a model and dtype, round after
 round (--rounds), so that a drifting machine (shared cloud cores) hits all alike; the table
@@ -92,6 +93,8 @@ def define_flags() -> None:
   flags.DEFINE_list('models', ['resnet50', 'vit_small_patch16_224'],
                     "Models, by timm's names (registered in this app under the same names).")
   flags.DEFINE_list('dtypes', ['float32', 'bfloat16'], 'What the models compute in.')
+  flags.DEFINE_list('pairs', None, 'model:dtype pairs to run, in order, instead of every '
+                    '--models x --dtypes pair (a table of chosen rows within a time limit).')
   flags.DEFINE_list('configurations', None, 'What to run (default: all for --task and '
                     '--device): jax_auto, jax_off, torch_eager, torch_compile, onnxruntime '
                     '(inference), big_vision (train, ViTs).')
@@ -550,21 +553,32 @@ def main(argv):
   print('\n'.join(header), flush=True)
   every_round = collections.defaultdict(list)
   for round_index in range(1, FLAGS.rounds + 1):
-    for model in FLAGS.models:
-      for dtype in FLAGS.dtypes:
-        for configuration in configurations:
-          if configuration == 'big_vision' and model not in BIG_VISION_VARIANTS:
-            continue  # big_vision's rows are ViTs'.
-          run = run_configuration(configuration, model, dtype)
-          every_round[model, dtype, configuration].append(run)
-          print(f'round {round_index} {model} {dtype} {configuration}: '
-                f'{run["images_per_sec"]:.2f} images/s (steps {run["step_seconds"]}), first '
-                f'step {run["first_step_seconds"]:.1f} s, load {run["load_1min"]:.2f}',
-                flush=True)
-          # The figures so far: a run cut short (a time limit) keeps every finished row.
-          rows = write_report(started_load, every_round)
+    for model, dtype in model_dtype_pairs(FLAGS.models, FLAGS.dtypes, FLAGS.pairs):
+      for configuration in configurations:
+        if configuration == 'big_vision' and model not in BIG_VISION_VARIANTS:
+          continue  # big_vision's rows are ViTs'.
+        run = run_configuration(configuration, model, dtype)
+        every_round[model, dtype, configuration].append(run)
+        print(f'round {round_index} {model} {dtype} {configuration}: '
+              f'{run["images_per_sec"]:.2f} images/s (steps {run["step_seconds"]}), first '
+              f'step {run["first_step_seconds"]:.1f} s, load {run["load_1min"]:.2f}',
+              flush=True)
+        # The figures so far: a run cut short (a time limit) keeps every finished row.
+        rows = write_report(started_load, every_round)
   print(f'\nLoad average at end (1, 5, 15 min): '
         f'{", ".join(f"{x:.2f}" for x in os.getloadavg())}\n\n{markdown_table(rows)}')
+
+
+def model_dtype_pairs(models: list[str], dtypes: list[str],
+                      pairs: list[str] | None) -> list[tuple[str, str]]:
+  """The (model, dtype) of each row to run: `pairs` ('model:dtype') where given, else every
+  model with every dtype."""
+  if not pairs:
+    return [(model, dtype) for model in models for dtype in dtypes]
+  chosen = [tuple(pair.split(':')) for pair in pairs]
+  if any(len(pair) != 2 for pair in chosen):
+    raise app.UsageError(f'--pairs takes model:dtype items, not {",".join(pairs)}.')
+  return chosen
 
 
 def write_report(started_load: tuple[float, ...],

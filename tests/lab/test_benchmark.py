@@ -12,6 +12,7 @@ import sys
 import types
 from unittest import mock
 
+from absl import app
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -224,6 +225,14 @@ def test_only_the_labs_own_tests_import_the_lab():
   assert _importing_the_lab(ROOT, tuple(os.path.join(ROOT, name)
                                         for name in ('benchmarks', 'tests'))) == []
   assert _importing_the_lab(lab_tests, ()) == ['tests/lab/test_benchmark.py']
+
+
+def test_backbones_rows_are_every_model_and_dtype_or_the_pairs_given():
+  assert backbones.model_dtype_pairs(['a', 'b'], ['f', 'g'], None) == [
+      ('a', 'f'), ('a', 'g'), ('b', 'f'), ('b', 'g')]
+  assert backbones.model_dtype_pairs(['a'], ['f'], ['b:g', 'a:f']) == [('b', 'g'), ('a', 'f')]
+  with pytest.raises(app.UsageError):
+    backbones.model_dtype_pairs(['a'], ['f'], ['a'])
 
 
 def test_an_artefact_rewritten_in_place_is_not_an_uncommitted_change(tmp_path, monkeypatch):
