@@ -7,12 +7,12 @@ and big_vision's ViT, on one machine.
       [--configurations=jax_auto,jax_off,torch_eager,torch_compile,onnxruntime,tflite] \
       [--batch_size=32] [--image_size=224] [--warmup=3] [--steps=5] [--rounds=3] [--device=cpu]
 
-For every model x dtype (or each of --pairs) x configuration a fresh child builds the model and its optimizer, runs
---warmup steps (the first compiles: reported apart) and times --steps steps, each waited for:
-the median step gives images/s. Configurations alternate within a model and dtype, round after
-round (--rounds), so that a drifting machine (shared cloud cores) hits all alike; the table
-shows medians over the rounds, --json keeps every round. --models=toy_resnet (one basic block a
-stage, 8-32 features, in both libraries) runs the whole benchmark in seconds.
+For every model x dtype (or each of --pairs) x configuration a fresh child builds the model and
+its optimizer, runs --warmup steps (the first compiles: reported apart) and times --steps steps,
+each waited for: the median step gives images/s. Configurations alternate within a model and
+dtype, round after round (--rounds), so that a drifting machine (shared cloud cores) hits all
+alike; the table shows medians over the rounds, --json keeps every round. --models=toy_resnet (one
+basic block a stage, 8-32 features, in both libraries) runs the whole benchmark in seconds.
 
 Configurations:
   jax_auto, jax_off: this app's train step (`training.state.create` and `make_train_step`, as
