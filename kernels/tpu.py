@@ -61,9 +61,9 @@ class Conv(nnx.Conv):
   training and in eval; JAX differentiates the matmul and the windows' slices.
 
   XLA:TPU takes seconds to compile some convolutions' gradients (MNIST's first layer, one input
-  channel, most of all), where it compiles a matmul in a fraction of a second: MNIST's whole
-  run on one v5e chip spends most of its start compiling its CNN (docs/accelerators.md). For
-  such convolutions the chip's step time is its dispatch, whichever way they run. Larger
+  channel, most of all), where it compiles a matmul in a fraction of a second (MNIST's whole
+  run on one v5e chip with these matmuls and with XLA's convolutions: docs/accelerators.md).
+  For such convolutions the chip's step time is its dispatch, whichever way they run. Larger
   convolutions run faster as XLA's own, and keep it: those with more than
   `PATCHES_MAX_CONTRACTION` products per output value (kh * kw * input channels: a 224-px
   ResNet's past its stem, a ViT's patch embedding), an output larger than
