@@ -8,6 +8,8 @@ into them, ran at 76 TFLOP/s against the backward ones' 126 (docs/accelerators.m
 profile and its artefact). big_vision's ViT computes both as below.
 """
 
+import functools
+
 from flax import nnx
 import jax
 from jax import lax
@@ -56,9 +58,17 @@ def gelu(x: jax.Array) -> jax.Array:
   return jax.nn.gelu(x.astype(jnp.float32), approximate=True).astype(x.dtype)
 
 
-class Conv(nnx.Conv):
-  """`nnx.Conv` whose small 2-D convolutions run as one matmul over their windows (im2col), in
-  training and in eval; JAX differentiates the matmul and the windows' slices.
+# MNIST's and CIFAR's convolutions: at most 32 x 32 output pixels, 3 x 3 over at most 56
+# channels, a patch matrix of at most 256 MiB (an eval batch of 512 MNIST images: 110 MiB).
+PATCHES_MAX_CONTRACTION = 512
+PATCHES_MAX_PIXELS = 32 * 32
+PATCHES_LIMIT_BYTES = 256 * 2**20
+
+
+def small_conv_as_matmul(lhs, rhs, window_strides, padding, **options):
+  """`lax.conv_general_dilated`, as one matmul over the windows (im2col, `cpu.patches_matmul`)
+  for small 2-D convolutions, in training and in eval; JAX differentiates the matmul and the
+  windows' slices.
 
   XLA:TPU takes seconds to compile some convolutions' gradients (MNIST's first layer, one input
   channel, most of all), where it compiles a matmul in a fraction of a second (MNIST's whole
@@ -71,24 +81,6 @@ class Conv(nnx.Conv):
   the convolutions `kernels.cpu.Conv` leaves to the stock layer (dilated, grouped, 1-D or
   3-D, with a `precision`).
   """
-
-  def __init__(self, *args, **kwargs):
-    if 'conv_general_dilated' in kwargs:  # A convolution of the caller's own wins.
-      super().__init__(*args, **kwargs)
-    else:
-      super().__init__(*args, conv_general_dilated=_conv_general_dilated, **kwargs)
-
-
-# MNIST's and CIFAR's convolutions: at most 32 x 32 output pixels, 3 x 3 over at most 56
-# channels, a patch matrix of at most 256 MiB (an eval batch of 512 MNIST images: 110 MiB).
-PATCHES_MAX_CONTRACTION = 512
-PATCHES_MAX_PIXELS = 32 * 32
-PATCHES_LIMIT_BYTES = 256 * 2**20
-
-
-def _conv_general_dilated(lhs, rhs, window_strides, padding, **options):
-  """`cpu.patches_matmul` behind `nnx.Conv`'s hook for the small convolutions it computes
-  alike (`Conv`); `lax.conv_general_dilated` everywhere else."""
   if (lhs.ndim == 4 and cpu.is_plain_2d(options)
       and options.get('feature_group_count', 1) == 1
       and rhs.shape[0] * rhs.shape[1] * rhs.shape[2] <= PATCHES_MAX_CONTRACTION):
@@ -100,3 +92,7 @@ def _conv_general_dilated(lhs, rhs, window_strides, padding, **options):
         <= PATCHES_LIMIT_BYTES):
       return cpu.patches_matmul(lhs, rhs, strides, pads)
   return lax.conv_general_dilated(lhs, rhs, window_strides, padding, **options)
+
+
+# `nnx.Conv` through `small_conv_as_matmul` (a `conv_general_dilated` of the caller's own wins).
+Conv = functools.partial(nnx.Conv, conv_general_dilated=small_conv_as_matmul)
